@@ -1,0 +1,231 @@
+"""Clusters and logical meshes, with the alpha-beta cost of each collective.
+
+A ``ClusterSpec`` describes hardware (hosts x devices per host, link speeds, FLOP/s,
+memory). A ``LogicalMesh`` views some of its devices as a 2-D grid (sec. 4.1 of the Alpa
+paper) and prices collectives along each grid axis: an axis whose devices sit on one host
+uses the intra-host link, an axis that crosses hosts uses the slower inter-host link.
+
+The formulas are the usual ring costs (cf. the Alpa paper's cost model, sec. 4.2, and
+Thakur et al. 2005), with ``M`` the bytes per device and ``n`` the devices in the group:
+
+    all-gather(M)     = alpha + beta * (n-1)/n * M      (M: bytes of the gathered result)
+    reduce-scatter(M) = alpha + beta * (n-1)/n * M      (M: bytes of the full input)
+    all-reduce(M)     = alpha + beta * 2(n-1)/n * M
+    all-to-all(M)     = alpha + beta * (n-1)/n * M      (M: bytes of the local tile)
+
+where ``beta = 1 / bandwidth``. A collective over both axes (``01``) uses every device of
+the mesh, the sum of the two latencies and the slower of the two links.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+GB = 1e9
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+class ClusterError(ValueError):
+    """A cluster or mesh description that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Hardware the planner plans for. Bandwidths in bytes/s, latencies in s."""
+
+    hosts: int
+    devices_per_host: int
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    intra_host_latency: float = 5e-6
+    inter_host_latency: float = 2e-5
+    device_flops: float = 1e12
+    device_memory: float = 16 * GB
+    memory_bandwidth: float = 100 * GB
+    name: str = "custom"
+    simulated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.devices_per_host < 1:
+            raise ClusterError(
+                f"a cluster needs at least one host and one device per host, got "
+                f"hosts={self.hosts}, devices_per_host={self.devices_per_host}"
+            )
+        for f in ("intra_host_bandwidth", "inter_host_bandwidth", "device_flops", "device_memory", "memory_bandwidth"):
+            if getattr(self, f) <= 0:
+                raise ClusterError(f"ClusterSpec.{f} must be positive, got {getattr(self, f)}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    # ----- constructors ----------------------------------------------------------------
+    @classmethod
+    def local(cls, hosts: int = 1, devices_per_host: int = 4) -> ClusterSpec:
+        """Simulated CPU devices in this process (``--xla_force_host_platform_device_count``).
+
+        Costs model a small GPU box (so plans look like plans for real hardware) while the
+        program runs on CPU devices for checking numerics and collectives.
+        """
+        base = PRESETS["p3.8xlarge"]
+        return replace(
+            base, hosts=hosts, devices_per_host=devices_per_host, name=f"local:{hosts}x{devices_per_host}", simulated=True
+        )
+
+    @classmethod
+    def preset(cls, name: str, hosts: int = 1) -> ClusterSpec:
+        """A real machine type, ``hosts`` of them (e.g. ``preset("p3.16xlarge", hosts=8)``)."""
+        if name not in PRESETS:
+            raise ClusterError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        return replace(PRESETS[name], hosts=hosts, name=f"{name}:{hosts}")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    # ----- logical meshes --------------------------------------------------------------
+    def logical_mesh_shapes(self) -> list[tuple[int, int]]:
+        """Every 2-D view (n0, n1) of all devices; (1, n) and (n, 1) are the 1-D meshes."""
+        n = self.num_devices
+        return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
+
+    def logical_mesh(self, shape: tuple[int, int] | None = None, devices: tuple[int, ...] | None = None) -> LogicalMesh:
+        """View ``devices`` (default: all, host-major order) as a grid of ``shape``.
+
+        Device ids are host * devices_per_host + local index. Mesh axis 1 runs over
+        consecutive devices, so it stays inside a host when it is no longer than a host.
+        """
+        devices = tuple(range(self.num_devices)) if devices is None else tuple(devices)
+        shape = (1, len(devices)) if shape is None else tuple(shape)
+        if len(shape) != 2 or math.prod(shape) != len(devices) or min(shape) < 1:
+            raise ClusterError(
+                f"logical mesh shape {shape} does not hold {len(devices)} devices; "
+                f"use a 2-D shape whose product is {len(devices)}, e.g. {(1, len(devices))}"
+            )
+        grid = np.array(devices).reshape(shape)
+        hosts_of = grid // self.devices_per_host
+        alphas, betas = [], []
+        for axis in range(2):
+            crosses = bool((np.diff(hosts_of, axis=axis) != 0).any()) if shape[axis] > 1 else False
+            bw = self.inter_host_bandwidth if crosses else self.intra_host_bandwidth
+            lat = self.inter_host_latency if crosses else self.intra_host_latency
+            alphas.append(lat)
+            betas.append(1.0 / bw)
+        return LogicalMesh(
+            shape=shape,
+            device_ids=tuple(int(d) for d in grid.reshape(-1)),
+            alpha=tuple(alphas),
+            beta=tuple(betas),
+            device_flops=self.device_flops,
+            memory_bandwidth=self.memory_bandwidth,
+            device_memory=self.device_memory,
+        )
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a strategy or a resharding issues: kind, mesh axes, bytes, seconds."""
+
+    kind: str
+    axes: tuple[int, ...]
+    nbytes: float
+    cost: float
+
+    def __str__(self) -> str:
+        axes = "".join(map(str, self.axes))
+        return f"{self.kind}({_fmt_bytes(self.nbytes)}, {axes})"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n}"
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """A 2-D grid of devices with a latency (alpha) and inverse bandwidth (beta) per axis."""
+
+    shape: tuple[int, int]
+    device_ids: tuple[int, ...]
+    alpha: tuple[float, float]
+    beta: tuple[float, float]
+    device_flops: float = 1e12
+    memory_bandwidth: float = 100 * GB
+    device_memory: float = 16 * GB
+    axis_names: tuple[str, str] = field(default=("x", "y"))
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def group(self, axes: tuple[int, ...]) -> tuple[int, float, float]:
+        """(devices, alpha, beta) of a collective over the given mesh axes."""
+        axes = tuple(axes)
+        if not axes:
+            return 1, 0.0, 0.0
+        n = math.prod(self.shape[a] for a in axes)
+        alpha = sum(self.alpha[a] for a in axes if self.shape[a] > 1)
+        beta = max(self.beta[a] for a in axes)
+        return n, alpha, beta
+
+    def collective_cost(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
+        """Seconds for one collective of ``kind`` moving ``nbytes`` (see module doc)."""
+        n, alpha, beta = self.group(axes)
+        if n == 1:
+            return 0.0
+        if kind == "all-reduce":
+            return alpha + beta * 2 * (n - 1) / n * nbytes
+        if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+            return alpha + beta * (n - 1) / n * nbytes
+        raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVE_KINDS}")
+
+    def collective(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> Collective:
+        """The collective as data, with its cost on this mesh."""
+        axes = tuple(a for a in axes if self.shape[a] > 1)
+        return Collective(kind, axes, float(nbytes), self.collective_cost(kind, nbytes, axes))
+
+    def compute_cost(self, flops: float, nbytes: float, parallelism: int) -> float:
+        """Roofline time of work split ``parallelism`` ways: max(FLOP time, memory time)."""
+        return max(flops / self.device_flops, nbytes / self.memory_bandwidth) / max(parallelism, 1)
+
+    def to_dict(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "device_ids": list(self.device_ids),
+            "alpha": list(self.alpha),
+            "beta": list(self.beta),
+        }
+
+
+def _preset(name: str, devices: int, intra_gbps: float, inter_gbps: float, tflops: float, mem_gb: float, hbm_gbps: float) -> ClusterSpec:
+    return ClusterSpec(
+        hosts=1,
+        devices_per_host=devices,
+        intra_host_bandwidth=intra_gbps * GB,
+        inter_host_bandwidth=inter_gbps * GB,
+        intra_host_latency=5e-6,
+        inter_host_latency=2e-5,
+        device_flops=tflops * 1e12,
+        device_memory=mem_gb * GB,
+        memory_bandwidth=hbm_gbps * GB,
+        name=name,
+    )
+
+
+# Bandwidths are per-device bus bandwidths in GB/s (NVLink within a host, network between
+# hosts shared by the host's devices); FLOP/s are half-precision tensor-core peaks.
+PRESETS: dict[str, ClusterSpec] = {
+    # 8 x V100 16 GB, NVLink (~130 GB/s bus), 25 Gbit/s network (the Alpa paper's testbed).
+    "p3.16xlarge": _preset("p3.16xlarge", 8, 130.0, 25 / 8 / 8, 125.0, 16.0, 900.0),
+    # 4 x V100 16 GB, NVLink, 10 Gbit/s network.
+    "p3.8xlarge": _preset("p3.8xlarge", 4, 130.0, 10 / 8 / 4, 125.0, 16.0, 900.0),
+    # 8 x A100 80 GB, NVLink3 (~300 GB/s bus), 8 x 200 Gbit/s InfiniBand.
+    "dgx-a100": _preset("dgx-a100", 8, 300.0, 25.0, 312.0, 80.0, 2039.0),
+    # 8 x H100 80 GB, NVLink4 (~450 GB/s bus), 8 x 400 Gbit/s InfiniBand.
+    "dgx-h100": _preset("dgx-h100", 8, 450.0, 50.0, 989.0, 80.0, 3350.0),
+}

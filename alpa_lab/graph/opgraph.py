@@ -1,0 +1,113 @@
+"""The operator graph every pass reads.
+
+``trace.py`` turns a JAX function into an ``OpGraph``: a flat list of ``Op`` (one per jaxpr
+equation, with nested calls inlined) over ``Var`` (one per tensor). Ops keep the JAX
+primitive and its parameters so the runtime can re-run the graph with sharding
+constraints; everything a pass needs (shapes, dtypes, FLOPs, bytes, names) is plain data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Var:
+    """A tensor of the graph.
+
+    ``kind`` is ``"input"`` (a leaf of the traced function's arguments), ``"const"`` (an
+    array the function closed over), ``"literal"`` (a scalar written into the program) or
+    ``"op"`` (the output of ``producer``).
+    """
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    producer: int | None = None
+    name: str = ""
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One primitive application: ``outputs = primitive.bind(*inputs, **params)``.
+
+    ``name`` is ``<primitive>_<k>``, the k-th use of that primitive in program order, so a
+    pin written against it survives re-tracing the same program. ``label`` is the source
+    location in the user's model (JAX's name stack, e.g. ``transformer/Dense_0``).
+    """
+
+    index: int
+    name: str
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: dict[str, Any] = field(repr=False)
+    flops: float
+    bytes_accessed: float
+    label: str = ""
+    bind: Any = field(default=None, repr=False, compare=False)
+    """The JAX primitive object (for re-execution); never serialised."""
+
+
+@dataclass(frozen=True, eq=False)
+class OpGraph:
+    """A traced program: ops in program order over vars; ``invars`` are the flat arguments."""
+
+    vars: tuple[Var, ...]
+    ops: tuple[Op, ...]
+    invars: tuple[int, ...]
+    outvars: tuple[int, ...]
+    in_tree: Any = field(repr=False)
+    out_tree: Any = field(repr=False)
+    in_paths: tuple[str, ...] = ()
+    out_paths: tuple[str, ...] = ()
+    consts: dict[int, Any] = field(default_factory=dict, repr=False)
+    literals: dict[int, Any] = field(default_factory=dict, repr=False)
+    fingerprint: str = ""
+
+    def op(self, name: str) -> Op:
+        """The op called ``name``; a clear error lists close names when it is unknown."""
+        for op in self.ops:
+            if op.name == name:
+                return op
+        import difflib
+
+        close = difflib.get_close_matches(name, [o.name for o in self.ops], n=5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"no op named {name!r} in this program ({len(self.ops)} ops){hint}")
+
+    def consumers(self) -> dict[int, list[int]]:
+        """Var id -> indices of the ops that read it."""
+        out: dict[int, list[int]] = {v.id: [] for v in self.vars}
+        for op in self.ops:
+            for v in op.inputs:
+                out[v].append(op.index)
+        return out
+
+    @property
+    def total_flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[op.primitive] = counts.get(op.primitive, 0) + 1
+        top = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:8])
+        return f"OpGraph: {len(self.ops)} ops, {len(self.vars)} vars, {self.total_flops:.3g} FLOPs ({top})"

@@ -1,0 +1,204 @@
+"""Trace a JAX function into an ``OpGraph``.
+
+``jax.make_jaxpr`` gives the program as equations; calls that only structure the program
+(nested ``jit``, ``custom_jvp``/``custom_vjp`` wrappers, ``checkpoint``) are inlined so that
+every op the planner sees is a real computation. Their custom derivative rules are not
+needed: the traced function is the whole training step, already differentiated.
+Control flow (``scan``, ``while``, ``cond``) stays one op; it has no sharding rule and is
+planned replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from alpa_lab.graph.opgraph import Op, OpGraph, Var
+
+# primitive -> name of the param holding the body to inline
+INLINED_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+ELEMENTWISE_FLOP_FREE = {
+    "convert_element_type", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+    "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "select_n",
+    "copy", "copy_p", "stop_gradient", "iota", "rev",
+}
+
+
+class TraceError(ValueError):
+    """The function could not be traced with the example arguments."""
+
+
+def trace(fn: Callable, *args: Any) -> OpGraph:
+    """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them)."""
+    try:
+        closed = jax.make_jaxpr(fn)(*args)
+    except Exception as exc:  # the user's own code failed: say so, keep their traceback
+        raise TraceError(
+            f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    flat_args, in_tree = jax.tree_util.tree_flatten_with_path(args)
+    out_shape = jax.eval_shape(fn, *args)
+    flat_out, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    builder = _Builder()
+    env: dict[Any, int] = {}
+    for v, const in zip(closed.jaxpr.constvars, closed.consts):
+        env[v] = builder.new_var(v.aval, "const", value=np.asarray(const))
+    invars = []
+    for v, (path, _) in zip(closed.jaxpr.invars, flat_args):
+        vid = builder.new_var(v.aval, "input", name=_path_str(path))
+        env[v] = vid
+        invars.append(vid)
+    builder.emit_jaxpr(closed.jaxpr, env, prefix="")
+    outvars = tuple(builder.read(env, v) for v in closed.jaxpr.outvars)
+    graph = OpGraph(
+        vars=tuple(builder.vars),
+        ops=tuple(builder.ops),
+        invars=tuple(invars),
+        outvars=outvars,
+        in_tree=jax.tree_util.tree_structure(args),
+        out_tree=jax.tree_util.tree_structure(out_shape),
+        in_paths=tuple(_path_str(p) for p, _ in flat_args),
+        out_paths=tuple(_path_str(p) for p, _ in flat_out),
+        consts=builder.consts,
+        literals=builder.literals,
+    )
+    return _with_fingerprint(graph)
+
+
+def _path_str(path: tuple) -> str:
+    return jax.tree_util.keystr(path) or "[]"
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.vars: list[Var] = []
+        self.ops: list[Op] = []
+        self.consts: dict[int, Any] = {}
+        self.literals: dict[int, Any] = {}
+        self.counts: dict[str, int] = {}
+
+    def new_var(self, aval: Any, kind: str, producer: int | None = None, name: str = "", value: Any = None) -> int:
+        vid = len(self.vars)
+        self.vars.append(Var(vid, tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)), kind, producer, name))
+        if kind == "const":
+            self.consts[vid] = value
+        elif kind == "literal":
+            self.literals[vid] = value
+        return vid
+
+    def read(self, env: dict, v: Any) -> int:
+        if isinstance(v, jcore.Literal):
+            return self.new_var(v.aval, "literal", value=v.val)
+        return env[v]
+
+    def emit_jaxpr(self, jaxpr: Any, env: dict, prefix: str) -> None:
+        for eqn in jaxpr.eqns:
+            name_stack = str(eqn.source_info.name_stack)
+            label = "/".join(p for p in (prefix, name_stack) if p)
+            prim = eqn.primitive.name
+            if prim in INLINED_CALLS and INLINED_CALLS[prim] in eqn.params:
+                body = eqn.params[INLINED_CALLS[prim]]
+                inner = body.jaxpr if hasattr(body, "jaxpr") else body
+                consts = body.consts if hasattr(body, "consts") else []
+                inner_env: dict[Any, int] = {}
+                for cv, c in zip(inner.constvars, consts):
+                    inner_env[cv] = self.new_var(cv.aval, "const", value=np.asarray(c))
+                args = [self.read(env, v) for v in eqn.invars]
+                # custom_jvp/vjp calls pass their consts first; the body's invars cover all
+                for iv, a in zip(inner.invars, args[len(args) - len(inner.invars):]):
+                    inner_env[iv] = a
+                sub = eqn.params.get("name", "") if prim in ("jit", "pjit") else ""
+                self.emit_jaxpr(inner, inner_env, "/".join(p for p in (label, sub) if p))
+                for ov, iv in zip(eqn.outvars, inner.outvars):
+                    env[ov] = self.read(inner_env, iv)
+                continue
+            inputs = tuple(self.read(env, v) for v in eqn.invars)
+            index = len(self.ops)
+            outputs = tuple(self.new_var(v.aval, "op", producer=index) for v in eqn.outvars)
+            for v, vid in zip(eqn.outvars, outputs):
+                env[v] = vid
+            k = self.counts.get(prim, 0)
+            self.counts[prim] = k + 1
+            in_vars = [self.vars[i] for i in inputs]
+            out_vars = [self.vars[i] for i in outputs]
+            self.ops.append(
+                Op(
+                    index=index,
+                    name=f"{prim}_{k}",
+                    primitive=prim,
+                    inputs=inputs,
+                    outputs=outputs,
+                    params=dict(eqn.params),
+                    flops=op_flops(prim, dict(eqn.params), in_vars, out_vars),
+                    bytes_accessed=float(sum(v.nbytes for v in in_vars + out_vars)),
+                    label=label,
+                    bind=eqn.primitive,
+                )
+            )
+
+
+def op_flops(prim: str, params: dict, ins: list[Var], outs: list[Var]) -> float:
+    """FLOPs of one op: 2*M*N*K for contractions, one per output element for math."""
+    out_elems = sum(math.prod(v.shape) for v in outs)
+    if prim == "dot_general":
+        (lc, _), _ = params["dimension_numbers"]
+        k = math.prod(ins[0].shape[d] for d in lc)
+        return 2.0 * out_elems * k
+    if prim == "conv_general_dilated":
+        dn = params["dimension_numbers"]
+        rhs = ins[1].shape
+        kernel_spatial = math.prod(rhs[d] for d in dn.rhs_spec[2:])
+        in_ch = rhs[dn.rhs_spec[1]]
+        return 2.0 * out_elems * kernel_spatial * in_ch
+    if prim.startswith("reduce_") or prim in ("argmax", "argmin", "cumsum", "cumprod", "cummax"):
+        return float(sum(math.prod(v.shape) for v in ins[:1]))
+    if prim in ELEMENTWISE_FLOP_FREE:
+        return 0.0
+    return float(out_elems)
+
+
+def _param_text(params: dict) -> str:
+    """Parameters that define an op's meaning, as text (bodies of control flow by size)."""
+    parts = []
+    for k in sorted(params):
+        v = params[k]
+        if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
+            inner = v.jaxpr if hasattr(v, "jaxpr") else v
+            parts.append(f"{k}=<jaxpr {len(inner.eqns)} eqns>")
+        elif isinstance(v, (tuple, list)) and v and (hasattr(v[0], "eqns") or hasattr(v[0], "jaxpr")):
+            parts.append(f"{k}=<{len(v)} jaxprs>")
+        elif isinstance(v, (int, float, str, bool, tuple, type(None))) or hasattr(v, "_fields"):
+            parts.append(f"{k}={v!r}")
+        else:
+            parts.append(f"{k}=<{type(v).__name__}>")
+    return ",".join(parts)
+
+
+def _with_fingerprint(graph: OpGraph) -> OpGraph:
+    """Hash of the program's structure: ops, wiring, shapes and defining parameters."""
+    h = hashlib.sha256()
+    for v in graph.vars:
+        h.update(f"{v.id}:{v.shape}:{v.dtype}:{v.kind};".encode())
+    for op in graph.ops:
+        h.update(f"{op.name}:{op.inputs}:{op.outputs}:{_param_text(op.params)};".encode())
+    h.update(f"{graph.invars}->{graph.outvars}".encode())
+    return dataclasses.replace(graph, fingerprint=h.hexdigest()[:16])
