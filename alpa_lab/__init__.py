@@ -1,1 +1,51 @@
-"""alpa_lab: Alpa's automatic parallelization planner on stock JAX, as a workbench."""
+"""alpa_lab: Alpa's automatic parallelization planner on stock JAX, as a workbench.
+
+The public surface; everything else is internal and may move::
+
+    import alpa_lab as al
+    cluster = al.ClusterSpec.local(hosts=1, devices_per_host=4)
+    step = al.parallelize(train_step, cluster=cluster)
+    plan = step.plan(state, batch)
+    new_state, loss = step(state, batch)
+
+Importing alpa_lab before JAX gives this process simulated CPU devices to run plans on
+(8, or ``ALPA_LAB_CPU_DEVICES``), unless ``XLA_FLAGS`` already sets a count. It changes
+nothing for GPUs; if JAX was imported first, the device count is what JAX already has.
+"""
+
+import os as _os
+import sys as _sys
+
+if "jax" not in _sys.modules and "xla_force_host_platform_device_count" not in _os.environ.get("XLA_FLAGS", ""):
+    _count = _os.environ.get("ALPA_LAB_CPU_DEVICES", "8")
+    _os.environ["XLA_FLAGS"] = f"{_os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_count}".strip()
+
+from alpa_lab.api import ParallelizedStep, parallelize, plan_graph
+from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
+from alpa_lab.graph.trace import TraceError, trace
+from alpa_lab.passes.ilp import InfeasibleError
+from alpa_lab.passes.intra_op import PinError
+from alpa_lab.passes.methods import METHODS, MethodError
+from alpa_lab.plan import Plan, PlanFormatError
+from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
+
+__all__ = [
+    "METHODS",
+    "PRESETS",
+    "ClusterError",
+    "ClusterSpec",
+    "InfeasibleError",
+    "LogicalMesh",
+    "MethodError",
+    "ParallelizedStep",
+    "PinError",
+    "Plan",
+    "PlanFormatError",
+    "ShardingSpec",
+    "ShardingSpecError",
+    "TraceError",
+    "parallelize",
+    "plan_graph",
+    "trace",
+]
+__version__ = "0.1.0"

@@ -45,6 +45,7 @@ class ClusterSpec:
     device_flops: float = 1e12
     device_memory: float = 16 * GB
     memory_bandwidth: float = 100 * GB
+    host_to_device_bandwidth: float = 12 * GB
     name: str = "custom"
     simulated: bool = False
 
@@ -54,7 +55,14 @@ class ClusterSpec:
                 f"a cluster needs at least one host and one device per host, got "
                 f"hosts={self.hosts}, devices_per_host={self.devices_per_host}"
             )
-        for f in ("intra_host_bandwidth", "inter_host_bandwidth", "device_flops", "device_memory", "memory_bandwidth"):
+        for f in (
+            "intra_host_bandwidth",
+            "inter_host_bandwidth",
+            "device_flops",
+            "device_memory",
+            "memory_bandwidth",
+            "host_to_device_bandwidth",
+        ):
             if getattr(self, f) <= 0:
                 raise ClusterError(f"ClusterSpec.{f} must be positive, got {getattr(self, f)}")
 
@@ -121,6 +129,7 @@ class ClusterSpec:
             device_flops=self.device_flops,
             memory_bandwidth=self.memory_bandwidth,
             device_memory=self.device_memory,
+            host_to_device_bandwidth=self.host_to_device_bandwidth,
         )
 
 
@@ -157,6 +166,7 @@ class LogicalMesh:
     device_flops: float = 1e12
     memory_bandwidth: float = 100 * GB
     device_memory: float = 16 * GB
+    host_to_device_bandwidth: float = 12 * GB
     axis_names: tuple[str, str] = field(default=("x", "y"))
 
     @property

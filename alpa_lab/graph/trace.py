@@ -176,7 +176,7 @@ def op_flops(prim: str, params: dict, ins: list[Var], outs: list[Var]) -> float:
     return float(out_elems)
 
 
-def _param_text(params: dict) -> str:
+def param_signature(params: dict) -> str:
     """Parameters that define an op's meaning, as text (bodies of control flow by size)."""
     parts = []
     for k in sorted(params):
@@ -199,6 +199,6 @@ def _with_fingerprint(graph: OpGraph) -> OpGraph:
     for v in graph.vars:
         h.update(f"{v.id}:{v.shape}:{v.dtype}:{v.kind};".encode())
     for op in graph.ops:
-        h.update(f"{op.name}:{op.inputs}:{op.outputs}:{_param_text(op.params)};".encode())
+        h.update(f"{op.name}:{op.inputs}:{op.outputs}:{param_signature(op.params)};".encode())
     h.update(f"{graph.invars}->{graph.outvars}".encode())
     return dataclasses.replace(graph, fingerprint=h.hexdigest()[:16])

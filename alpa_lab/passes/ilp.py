@@ -1,0 +1,664 @@
+"""The intra-operator ILP (Alpa, OSDI'22, sec. 4.2, eq. 1), on plain numpy data.
+
+Every node v picks one of its k_v strategies; the plan costs
+
+    sum_v c_v[s_v] + sum_(u,v) R_uv[s_u, s_v]    (+ optionally: sum_v mem_v[s_v] <= budget)
+
+``solve`` first shrinks the graph with exact reductions (PBQP-style, as in the
+register-allocation literature): drop strategies that are not allowed, infeasible or
+dominated, fold edges whose cost splits into a row and a column term, and eliminate nodes
+of degree <= 2 by dynamic programming. Real graphs are chains and trees of ops with a few
+long edges (residual, forward-backward), so most nodes go and the ILP that CBC sees is
+small. The remaining core is written as Alpa's eq. 1 straight into an LP file with numpy
+(building a PuLP model term by term is the slow part for big graphs) and solved by the CBC
+binary that ships with PuLP. The objective is always recomputed exactly from the choice.
+
+Infinite costs are allowed: an infinite node cost or edge entry forbids that strategy or
+pair. NaN and -inf are errors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+BRUTE_FORCE_LIMIT = 2_000_000
+_DECOMPOSE_RTOL = 1e-12  # an edge within this (relative) of a_i + b_j is folded into its nodes
+_OBJECTIVE_SCALE = 1e4  # largest objective coefficient CBC sees; keeps its tolerances relative
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Strategies, their costs, and resharding costs between them: the ILP's data."""
+
+    node_costs: tuple[np.ndarray, ...]
+    """node v: cost (seconds) of each of its k_v strategies."""
+    node_memory: tuple[np.ndarray, ...]
+    """node v: bytes per device of each strategy."""
+    edges: tuple[tuple[int, int, np.ndarray], ...]
+    """(u, v, R) with R.shape == (k_u, k_v); parallel edges add up."""
+    names: tuple[str, ...] = ()
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_costs)
+
+    def label(self, v: int) -> str:
+        """How error messages name node v."""
+        return f"node {v} ({self.names[v]!r})" if v < len(self.names) else f"node {v}"
+
+
+@dataclass(frozen=True)
+class ILPSolution:
+    """The chosen strategy of every node, and what it took to find it."""
+
+    choice: tuple[int, ...]
+    objective: float
+    status: str  # "optimal", or "time_limit" (feasible, optimality not proven)
+    num_variables: int
+    num_constraints: int
+    build_seconds: float  # reductions + writing the ILP
+    solve_seconds: float  # CBC, including its start-up and reading its answer
+    reduced_nodes: int  # nodes eliminated by the exact reductions
+    solver: str  # "reductions" when no ILP was needed, else "cbc"
+    reduce_seconds: float = 0.0  # the reductions' part of build_seconds
+
+
+class InfeasibleError(ValueError):
+    """No choice satisfies the pins (allowed sets), the memory budget or infinite costs."""
+
+    def __init__(self, message: str, nodes: Iterable[int] = ()):
+        super().__init__(message)
+        self.nodes = tuple(nodes)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def evaluate(graph: CostGraph, choice: Sequence[int]) -> float:
+    """The exact (correctly rounded) objective of a choice."""
+    terms = [float(c[s]) for c, s in zip(graph.node_costs, choice)]
+    terms += [float(r[choice[u], choice[v]]) for u, v, r in graph.edges]
+    return math.fsum(terms)
+
+
+def memory_of(graph: CostGraph, choice: Sequence[int]) -> float:
+    """Exact bytes per device of a choice."""
+    return math.fsum(float(m[s]) for m, s in zip(graph.node_memory, choice))
+
+
+def solve(
+    graph: CostGraph,
+    *,
+    allowed: Mapping[int, Collection[int]] | None = None,
+    memory_budget: float | None = None,
+    time_limit: float = 60.0,
+    reduce: bool = True,
+) -> ILPSolution:
+    """Minimise eq. 1 of the Alpa paper; ``allowed`` pins nodes to subsets of strategies.
+
+    With a memory budget the degree reductions are not exact (the budget couples all
+    nodes), so only the budget-safe ones run: dropping dominated strategies that also use
+    no less memory, and folding decomposable edges.
+    """
+    t_start = time.perf_counter()
+    _validate(graph)
+    live = _live_strategies(graph, allowed)
+    if memory_budget is not None:
+        _check_memory_floor(graph, live, memory_budget)
+    work = _WorkGraph(graph, live)
+    if reduce:
+        work.reduce(eliminate=memory_budget is None, memory_aware=memory_budget is not None)
+    t_reduced = time.perf_counter()
+
+    core = work.core_nodes()
+    core_choice: dict[int, int] = {}
+    status, solver, num_vars, num_cons, build_extra, solve_seconds = "optimal", "reductions", 0, 0, 0.0, 0.0
+    if core:
+        budget = memory_budget
+        for _attempt in range(3):
+            model = _build_model(work, core, budget)
+            core_choice, status, solve_seconds_i = _run_cbc(model, time_limit, graph)
+            build_extra += model.build_seconds
+            solve_seconds += solve_seconds_i
+            num_vars, num_cons, solver = model.num_variables, model.num_constraints, "cbc"
+            if memory_budget is None:
+                break
+            excess = memory_of(graph, work.back_substitute(core_choice)) - memory_budget
+            if excess <= 0:
+                break
+            budget -= excess + 1e-9 * abs(memory_budget)  # CBC's tolerances let it overshoot
+        else:
+            raise RuntimeError("CBC kept returning plans that exceed the memory budget")
+    choice = work.back_substitute(core_choice)
+    objective = evaluate(graph, choice)
+    if not math.isfinite(objective):
+        raise InfeasibleError("every choice uses a forbidden (infinite-cost) strategy pair", core)
+    return ILPSolution(
+        choice=choice,
+        objective=objective,
+        status=status,
+        num_variables=num_vars,
+        num_constraints=num_cons,
+        build_seconds=(t_reduced - t_start) + build_extra,
+        solve_seconds=solve_seconds,
+        reduced_nodes=work.num_eliminated,
+        solver=solver,
+        reduce_seconds=t_reduced - t_start,
+    )
+
+
+def brute_force(
+    graph: CostGraph,
+    *,
+    allowed: Mapping[int, Collection[int]] | None = None,
+    memory_budget: float | None = None,
+) -> tuple[tuple[int, ...], float]:
+    """Exhaustive optimum, the ground truth for tests on tiny graphs."""
+    _validate(graph)
+    live = _live_strategies(graph, allowed)
+    total = math.prod(len(s) for s in live)
+    if total > BRUTE_FORCE_LIMIT:
+        raise ValueError(f"{total} combinations is too many for brute force (limit {BRUTE_FORCE_LIMIT})")
+    flat = np.arange(total)
+    picks, stride = [], 1
+    for strategies in live:  # mixed-radix digits of the flat index, as original strategy indices
+        picks.append(strategies[(flat // stride) % len(strategies)])
+        stride *= len(strategies)
+    cost = np.zeros(total)
+    memory = np.zeros(total)
+    for v, pick in enumerate(picks):
+        cost += graph.node_costs[v][pick]
+        memory += graph.node_memory[v][pick]
+    for u, v, r in graph.edges:
+        cost += r[picks[u], picks[v]]
+    ok = np.isfinite(cost)
+    if memory_budget is not None:  # loose here, exact (fsum) below
+        ok &= memory <= memory_budget + 1e-9 * max(1.0, abs(memory_budget))
+    for flat_index in np.flatnonzero(ok)[np.argsort(cost[ok], kind="stable")]:
+        choice = tuple(int(p[flat_index]) for p in picks)
+        if memory_budget is None or memory_of(graph, choice) <= memory_budget:
+            return choice, evaluate(graph, choice)
+    raise InfeasibleError("no choice satisfies the allowed sets, the memory budget and finite costs")
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def _validate(graph: CostGraph) -> None:
+    """Shapes and values, so that the reductions can trust their inputs."""
+    if len(graph.node_memory) != graph.num_nodes:
+        raise ValueError(f"{graph.num_nodes} node cost vectors but {len(graph.node_memory)} memory vectors")
+    for v, (c, m) in enumerate(zip(graph.node_costs, graph.node_memory)):
+        if np.ndim(c) != 1 or np.shape(c) != np.shape(m):
+            raise ValueError(f"{graph.label(v)}: costs {np.shape(c)} and memory {np.shape(m)} must be equal 1-D")
+        if len(c) == 0:
+            raise InfeasibleError(f"{graph.label(v)} has no strategies", (v,))
+        if np.isnan(c).any() or (np.asarray(c) == -np.inf).any() or not np.isfinite(m).all():
+            raise ValueError(f"{graph.label(v)}: costs must not be NaN or -inf, memory must be finite")
+    for u, v, r in graph.edges:
+        if not (0 <= u < graph.num_nodes and 0 <= v < graph.num_nodes) or u == v:
+            raise ValueError(f"edge ({u}, {v}) must join two different nodes of {graph.num_nodes}")
+        if np.shape(r) != (len(graph.node_costs[u]), len(graph.node_costs[v])):
+            raise ValueError(
+                f"edge {graph.label(u)} -> {graph.label(v)}: resharding matrix {np.shape(r)}, "
+                f"expected {(len(graph.node_costs[u]), len(graph.node_costs[v]))}"
+            )
+        if np.isnan(r).any() or (np.asarray(r) == -np.inf).any():
+            raise ValueError(f"edge {graph.label(u)} -> {graph.label(v)}: costs must not be NaN or -inf")
+
+
+def _live_strategies(graph: CostGraph, allowed: Mapping[int, Collection[int]] | None) -> list[np.ndarray]:
+    """Original indices of the strategies each node may take: allowed and of finite cost."""
+    allowed = allowed or {}
+    for v in allowed:
+        if not 0 <= v < graph.num_nodes:
+            raise ValueError(f"allowed names node {v}, but the graph has {graph.num_nodes} nodes")
+    live = []
+    for v, costs in enumerate(graph.node_costs):
+        k = len(costs)
+        if v in allowed:
+            wanted = sorted({int(i) for i in allowed[v]})
+            if not wanted:
+                raise InfeasibleError(f"{graph.label(v)}: its allowed set of strategies is empty", (v,))
+            bad = [i for i in wanted if not 0 <= i < k]
+            if bad:
+                raise InfeasibleError(
+                    f"{graph.label(v)}: allowed strategies {bad} are out of range (it has {k}: 0..{k - 1})", (v,)
+                )
+        else:
+            wanted = list(range(k))
+        strategies = np.array(wanted, dtype=np.int64)
+        strategies = strategies[np.isfinite(np.asarray(costs, dtype=float)[strategies])]
+        if strategies.size == 0:
+            raise InfeasibleError(f"{graph.label(v)}: every allowed strategy has infinite cost", (v,))
+        live.append(strategies)
+    return live
+
+
+def _check_memory_floor(graph: CostGraph, live: list[np.ndarray], budget: float) -> None:
+    """Memory is the only coupling constraint, so the smallest plan decides feasibility."""
+    floor = math.fsum(float(np.min(np.asarray(m)[s])) for m, s in zip(graph.node_memory, live))
+    if floor > budget:
+        raise InfeasibleError(
+            f"memory budget {budget:.6g} bytes is below the minimum {floor:.6g} bytes needed "
+            f"(every node at its smallest allowed strategy)",
+            range(graph.num_nodes),
+        )
+
+
+# ------------------------------------------------------------------------- reductions
+
+
+@dataclass(frozen=True)
+class _Elimination:
+    """Node ``node`` left the graph; ``table`` gives its original strategy index for each
+    combination of original strategy indices of ``neighbours`` (DP back-substitution)."""
+
+    node: int
+    neighbours: tuple[int, ...]
+    table: np.ndarray
+
+
+class _WorkGraph:
+    """Mutable working copy of a CostGraph for the reductions (private, one solve long).
+
+    ``adj[v][u]`` is the merged cost matrix of all edges between v and u, shaped
+    (live k_v, live k_u); ``adj[u][v]`` is its transpose. ``live[v]`` maps live positions
+    back to original strategy indices, so eliminations stay valid when strategies go later.
+    """
+
+    def __init__(self, graph: CostGraph, live: list[np.ndarray]):
+        self.graph = graph
+        self.live = list(live)
+        self.cost = [np.asarray(c, dtype=float)[s] for c, s in zip(graph.node_costs, live)]
+        self.memory = [np.asarray(m, dtype=float)[s] for m, s in zip(graph.node_memory, live)]
+        self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(graph.num_nodes)]
+        self.eliminated: list[_Elimination] = []
+        self.alive = np.ones(graph.num_nodes, dtype=bool)
+        self.dirty: list[int] = []  # nodes whose neighbourhood changed, to revisit
+        for u, v, r in graph.edges:
+            self.add_edge(u, v, np.asarray(r, dtype=float)[np.ix_(self.live[u], self.live[v])])
+
+    @property
+    def num_eliminated(self) -> int:
+        return len(self.eliminated)
+
+    def core_nodes(self) -> list[int]:
+        return [int(v) for v in np.flatnonzero(self.alive)]
+
+    # --- edits that keep the graph consistent
+
+    def add_edge(self, u: int, v: int, r: np.ndarray) -> None:
+        """Merge r into edge u-v (parallel edges add up), then simplify it."""
+        if v in self.adj[u]:
+            r = self.adj[u][v] + r
+        self.adj[u][v], self.adj[v][u] = r, r.T
+        self.dirty += [u, v]
+        self._examine(u, v)
+
+    def _examine(self, u: int, v: int) -> None:
+        """Strategies that fit no neighbour strategy go; an a_i + b_j edge joins the nodes."""
+        r = self.adj[u][v]
+        if np.isinf(r).any():
+            dead_rows, dead_cols = np.isinf(r).all(axis=1), np.isinf(r).all(axis=0)
+            if dead_rows.any():
+                return self.restrict(u, ~dead_rows, blame=v)  # which re-examines this edge
+            if dead_cols.any():
+                return self.restrict(v, ~dead_cols, blame=u)
+        if _is_decomposable(r):
+            self.cost[u] = self.cost[u] + r[:, 0]
+            self.cost[v] = self.cost[v] + (r[0, :] - r[0, 0])
+            del self.adj[u][v], self.adj[v][u]
+
+    def restrict(self, v: int, keep: np.ndarray, blame: int | None = None) -> None:
+        """Drop the strategies of v where ``keep`` is False."""
+        if keep.all():
+            return
+        if not keep.any():
+            nodes = (v,) if blame is None else (v, blame)
+            raise InfeasibleError(
+                f"{self.graph.label(v)}: no strategy is left that fits "
+                + ("its neighbours" if blame is None else self.graph.label(blame))
+                + " at finite cost",
+                nodes,
+            )
+        self.live[v] = self.live[v][keep]
+        self.cost[v] = self.cost[v][keep]
+        self.memory[v] = self.memory[v][keep]
+        for u, r in self.adj[v].items():  # consistent first, so re-examining may recurse safely
+            self.adj[v][u] = r[keep]
+            self.adj[u][v] = self.adj[v][u].T
+        self.dirty.append(v)
+        for u in list(self.adj[v]):
+            if u in self.adj[v]:
+                self.dirty.append(u)
+                self._examine(v, u)
+
+    # --- the reductions
+
+    def reduce(self, *, eliminate: bool, memory_aware: bool) -> None:
+        """Prune dominated strategies and (if ``eliminate``) nodes of degree <= 2, to a fixpoint."""
+        stack = self.core_nodes()[::-1]
+        in_stack = set(stack)
+        while stack:
+            v = stack.pop()
+            in_stack.discard(v)
+            if not self.alive[v]:
+                continue
+            self.dirty = []
+            self.restrict(v, ~_dominated(self.cost[v], self.memory[v], list(self.adj[v].values()), memory_aware))
+            if eliminate and len(self.adj[v]) <= 2:
+                self.eliminate(v)
+            for u in self.dirty:
+                if u != v and self.alive[u] and u not in in_stack:
+                    stack.append(u)
+                    in_stack.add(u)
+            if self.alive[v] and v in self.dirty and v not in in_stack:
+                stack.append(v)
+                in_stack.add(v)
+
+    def eliminate(self, v: int) -> None:
+        """Remove v by minimising over its strategies for each choice of its <= 2 neighbours."""
+        neighbours = tuple(self.adj[v])
+        best_of = self.live[v]
+        if not neighbours:
+            table = np.asarray(best_of[int(np.argmin(self.cost[v]))])
+        elif len(neighbours) == 1:
+            (u,) = neighbours
+            total = self.adj[u][v] + self.cost[v][None, :]  # (k_u, k_v)
+            best = np.argmin(total, axis=1)
+            table = self._table((u,), best_of[best])
+            self._detach(v)
+            self.cost[u] = self.cost[u] + total[np.arange(len(best)), best]
+            self.dirty.append(u)
+        else:
+            u, w = neighbours
+            total = self.adj[u][v][:, :, None] + self.cost[v][None, :, None] + self.adj[v][w][None, :, :]
+            best = np.argmin(total, axis=1)  # (k_u, k_w)
+            table = self._table((u, w), best_of[best])
+            self._detach(v)
+            self.add_edge(u, w, np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :])
+        self.eliminated.append(_Elimination(v, neighbours, table))
+        self.alive[v] = False
+
+    def _detach(self, v: int) -> None:
+        for u in list(self.adj[v]):
+            del self.adj[u][v]
+            self.dirty.append(u)
+        self.adj[v].clear()
+
+    def _table(self, neighbours: tuple[int, ...], best: np.ndarray) -> np.ndarray:
+        """Index the DP answer by the neighbours' original strategy indices."""
+        table = np.full([len(self.graph.node_costs[u]) for u in neighbours], -1, dtype=np.int64)
+        table[np.ix_(*[self.live[u] for u in neighbours])] = best
+        return table
+
+    def back_substitute(self, core_choice: Mapping[int, int]) -> tuple[int, ...]:
+        """Choices of eliminated nodes from their neighbours', last eliminated first."""
+        choice = np.full(self.graph.num_nodes, -1, dtype=np.int64)
+        for v, s in core_choice.items():
+            choice[v] = s
+        for step in reversed(self.eliminated):
+            choice[step.node] = step.table[tuple(choice[u] for u in step.neighbours)]
+        assert (choice >= 0).all(), "back-substitution left a node without a strategy"
+        return tuple(int(s) for s in choice)
+
+
+def _is_decomposable(r: np.ndarray) -> bool:
+    """R[i, j] == a_i + b_j: the edge couples nothing and can live in the node costs."""
+    if r.shape[0] == 1 or r.shape[1] == 1:
+        return True
+    if not np.isfinite(r).all():
+        return False
+    residual = r - r[:, :1] - r[:1, :] + r[0, 0]
+    return bool(np.abs(residual).max() <= _DECOMPOSE_RTOL * max(np.abs(r).max(), 1e-300))
+
+
+def _dominated(cost: np.ndarray, memory: np.ndarray, edges: list[np.ndarray], memory_aware: bool) -> np.ndarray:
+    """Strategies b for which some kept strategy a is never worse, whatever the neighbours pick.
+
+    extra[a, b] = c[a] - c[b] + sum_edges max_j (R[a, j] - R[b, j]) <= 0 proves it; the
+    bound is subadditive, so dropping one at a time (never both of a tie) stays exact.
+    """
+    k = len(cost)
+    if k == 1:
+        return np.zeros(1, dtype=bool)
+    extra = cost[:, None] - cost[None, :]
+    for r in edges:
+        with np.errstate(invalid="ignore"):
+            diff = r[:, None, :] - r[None, :, :]  # [a, b, j]
+        # where b cannot meet j at all, that j says nothing against a (also inf - inf)
+        diff = np.where(np.isinf(r)[None, :, :], -np.inf, diff)
+        extra = extra + diff.max(axis=2)
+    if memory_aware:
+        extra[memory[:, None] > memory[None, :]] = np.inf
+    np.fill_diagonal(extra, np.inf)
+    beats = extra <= 0
+    dropped = np.zeros(k, dtype=bool)
+    for b in np.flatnonzero(beats.any(axis=0)):
+        if (beats[:, b] & ~dropped).any():
+            dropped[b] = True
+    return dropped
+
+
+# ------------------------------------------------------------------------ the ILP (eq. 1)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """Eq. 1 for the core nodes, as an LP-format file text ready for CBC."""
+
+    text: str
+    node_of_column: np.ndarray  # s-column g -> core node
+    strategy_of_column: np.ndarray  # s-column g -> original strategy index
+    num_variables: int
+    num_constraints: int
+    build_seconds: float
+    nodes: tuple[int, ...]
+
+
+def _build_model(work: _WorkGraph, core: list[int], memory_budget: float | None) -> _Model:
+    """Write eq. 1 for the core with numpy and string joins (no per-term PuLP objects).
+
+    Variables: binary one-hot s_v per node; e_uv per edge with one column per finite
+    R[i, j] (an infinite entry forbids the pair, so it gets no column). e is continuous in
+    [0, inf): with s integral, sum_j e[i, j] = s_u[i] and sum_i e[i, j] = s_v[j] already
+    force e to the one-hot outer product s_u s_v^T, hence integral too; the paper's
+    sum(e) = 1 follows from these and is left out.
+    """
+    t0 = time.perf_counter()
+    offset = {v: g for v, g in zip(core, np.cumsum([0] + [len(work.cost[v]) for v in core]))}
+    num_s = int(sum(len(work.cost[v]) for v in core))
+    edges = [(u, w, work.adj[u][w]) for u in core for w in work.adj[u] if u < w]
+    # Shift every cost block to start at 0 and scale the largest to _OBJECTIVE_SCALE, so
+    # CBC's absolute tolerances act relative to what matters.
+    node_obj = [work.cost[v] - work.cost[v].min() for v in core]
+    edge_obj = [np.where(np.isinf(r), np.inf, r - r[np.isfinite(r)].min()) for _, _, r in edges]
+    peak = max([float(c.max()) for c in node_obj] + [float(r[np.isfinite(r)].max()) for r in edge_obj] + [0.0])
+    scale = _OBJECTIVE_SCALE / peak if peak > 0 else 1.0
+
+    s_name = np.array([f"s{g}" for g in range(num_s)], dtype=object)
+    objective: list[str] = []
+    rows: list[str] = []
+    for v, c in zip(core, node_obj):
+        cols = s_name[offset[v] : offset[v] + len(c)]
+        rows.append(f"o{v}: " + " + ".join(cols) + " = 1")
+        objective += _terms(c * scale, cols)
+    num_e = 0
+    for t, ((u, w, _), r) in enumerate(zip(edges, edge_obj)):
+        finite = np.isfinite(r)
+        e_name = np.full(r.shape, "", dtype=object)
+        e_name[finite] = [f"x{num_e + i}" for i in range(int(finite.sum()))]
+        num_e += int(finite.sum())
+        objective += _terms(r[finite] * scale, e_name[finite])
+        for i in range(r.shape[0]):
+            rows.append(f"a{t}_{i}: " + " + ".join(e_name[i][finite[i]]) + f" - s{offset[u] + i} = 0")
+        for j in range(r.shape[1]):
+            rows.append(f"b{t}_{j}: " + " + ".join(e_name[:, j][finite[:, j]]) + f" - s{offset[w] + j} = 0")
+    if memory_budget is not None:
+        memory = np.concatenate([work.memory[v] for v in core])
+        peak_memory = float(memory.max()) if memory.max() > 0 else 1.0
+        rows.append(
+            "m: " + " + ".join(_terms(memory / peak_memory, s_name) or ["0 s0"]) + f" <= {memory_budget / peak_memory!r}"
+        )
+    text = "\n".join(
+        ["Minimize", "obj: " + ("\n + ".join(objective) if objective else "0 s0"), "Subject To", *rows, "Binaries"]
+        + [" ".join(s_name[i : i + 50]) for i in range(0, num_s, 50)]
+        + ["End", ""]
+    )
+    node_of_column = np.concatenate([np.full(len(work.cost[v]), v) for v in core])
+    strategy_of_column = np.concatenate([work.live[v] for v in core])
+    return _Model(
+        text=text,
+        node_of_column=node_of_column,
+        strategy_of_column=strategy_of_column,
+        num_variables=num_s + num_e,
+        num_constraints=len(rows),
+        build_seconds=time.perf_counter() - t0,
+        nodes=tuple(core),
+    )
+
+
+def _terms(coefficients: np.ndarray, names: np.ndarray) -> list[str]:
+    """'coef name' for the nonzero coefficients (repr: shortest exact decimal)."""
+    nonzero = np.flatnonzero(coefficients)
+    return [f"{c!r} {n}" for c, n in zip(coefficients[nonzero].tolist(), names[nonzero])]
+
+
+def _run_cbc(model: _Model, time_limit: float, graph: CostGraph) -> tuple[dict[int, int], str, float]:
+    """Solve with PuLP's bundled CBC binary; return core choices, status and seconds."""
+    t0 = time.perf_counter()
+    cbc = pulp.PULP_CBC_CMD(msg=False)
+    if not cbc.available():
+        raise RuntimeError(f"PuLP's CBC binary is not available at {cbc.path}")
+    with tempfile.TemporaryDirectory(prefix="alpa_ilp_") as tmp:
+        lp_path, sol_path = os.path.join(tmp, "model.lp"), os.path.join(tmp, "model.sol")
+        with open(lp_path, "w") as f:
+            f.write(model.text)
+        args = [cbc.path, lp_path, "-sec", repr(float(time_limit)), "-timeMode", "elapsed"]
+        # exact optimum: no relative/absolute gap, and accept any strictly better incumbent
+        args += ["-ratioGap", "0", "-allowableGap", "0", "-increment", "1e-9"]
+        args += ["-solve", "-printingOptions", "normal", "-solution", sol_path]
+        run = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if run.returncode != 0 or not os.path.exists(sol_path):
+            tail = run.stdout.decode(errors="replace")[-2000:]
+            raise RuntimeError(f"CBC failed (exit {run.returncode}):\n{tail}")
+        with open(sol_path) as f:
+            lines = f.read().splitlines()
+    header = lines[0] if lines else ""
+    if header.startswith(("Infeasible", "Integer infeasible")):
+        raise InfeasibleError(
+            "no choice satisfies the memory budget and the finite-cost pairs together", model.nodes
+        )
+    if header.startswith("Optimal"):
+        status = "optimal"
+    elif header.startswith("Stopped") and "objective value" in header:
+        status = "time_limit"
+    else:
+        raise RuntimeError(f"CBC found no solution within {time_limit} s: {header!r}")
+    choice: dict[int, int] = {}
+    for line in lines[1:]:
+        fields = line.split()
+        if fields and fields[0] == "**":
+            fields = fields[1:]
+        if len(fields) >= 3 and fields[1].startswith("s") and float(fields[2]) > 0.5:
+            g = int(fields[1][1:])
+            choice[int(model.node_of_column[g])] = int(model.strategy_of_column[g])
+    missing = [v for v in model.nodes if v not in choice]
+    if missing:
+        raise RuntimeError(f"CBC's answer picks no strategy for {graph.label(missing[0])} ({header!r})")
+    return choice, status, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------- synthetic workload
+
+# One transformer layer: forward ops and the forward ops whose outputs each one reads
+# (negative: the layer input); matmuls with a weight carry its name.
+_LAYER_OPS: tuple[tuple[str, tuple[int, ...], str], ...] = (
+    ("ln1", (-1,), ""),
+    ("qkv", (0,), "w_qkv"),
+    ("scores", (1, 1), ""),  # q and k: parallel edges
+    ("softmax", (2,), ""),
+    ("context", (3, 1), ""),  # and v
+    ("proj", (4,), "w_o"),
+    ("add1", (5, -1), ""),  # residual
+    ("ln2", (6,), ""),
+    ("fc1", (7,), "w_fc1"),
+    ("gelu", (8,), ""),
+    ("fc2", (9,), "w_fc2"),
+    ("add2", (10, 6), ""),  # residual
+)
+
+
+def synthetic_gpt_graph(
+    num_nodes: int, num_strategies: int | tuple[int, int] = 16, seed: int = 0
+) -> CostGraph:
+    """A cost graph shaped like a GPT train step, for tests and benchmarks without JAX.
+
+    Per layer (40 nodes): a forward chain with residual skips and attention fan-out, the
+    mirrored backward chain, each forward output saved for the backward op that reads it,
+    and per weight: the parameter (read forward and backward), its gradient, its optimizer
+    state and its update. Strategies are sharding specs (a (lo, hi) pair draws k per node);
+    resharding costs bytes x a fixed spec-to-spec price, so edges share structure as in
+    real graphs. About ``num_nodes`` nodes (whole layers).
+    """
+    rng = np.random.default_rng(seed)
+    lo, hi = (num_strategies, num_strategies) if isinstance(num_strategies, int) else num_strategies
+    num_specs = hi
+    price = rng.uniform(0.2, 2.0, (num_specs, num_specs)) * 1e-10 + 1e-5  # s/byte + latency
+    np.fill_diagonal(price, 0.0)
+    speedup = rng.choice([1.0, 2.0, 4.0, 8.0], num_specs)  # devices a spec splits the work over
+    partial = rng.random(num_specs) < 0.3  # specs that leave a partial sum to all-reduce
+    operand_perm = [np.arange(num_specs)] + [rng.permutation(num_specs) for _ in range(2)]
+
+    specs: list[np.ndarray] = []
+    costs: list[np.ndarray] = []
+    memory: list[np.ndarray] = []
+    sizes: list[float] = []
+    edges: list[tuple[int, int, np.ndarray]] = []
+
+    def node(flops: float, size: float) -> int:
+        k = int(rng.integers(lo, hi + 1))
+        spec = np.sort(rng.choice(num_specs, k, replace=False))
+        specs.append(spec)
+        sizes.append(size)
+        costs.append(flops / 1e14 / speedup[spec] + partial[spec] * size * 2e-10)
+        memory.append(np.round(size / speedup[spec]))
+        return len(specs) - 1
+
+    def edge(producer: int, consumer: int, operand: int) -> None:
+        wanted = operand_perm[operand % len(operand_perm)][specs[consumer]]
+        edges.append((producer, consumer, sizes[producer] * price[np.ix_(specs[producer], wanted)]))
+
+    layer_input = node(0.0, 5e7)
+    for _layer in range(max(1, (num_nodes - 1) // 40)):
+        fwd = [node(rng.uniform(1e9, 1e11), rng.uniform(1e7, 1e8)) for _ in _LAYER_OPS]
+        bwd = [node(rng.uniform(1e9, 2e11), rng.uniform(1e7, 1e8)) for _ in _LAYER_OPS]
+        out_of = lambda i: fwd[i] if i >= 0 else layer_input  # noqa: E731
+        grad_of = lambda i: bwd[i] if i >= 0 else None  # noqa: E731
+        for c, (_name, reads, weight) in enumerate(_LAYER_OPS):
+            for operand, p in enumerate(reads):
+                edge(out_of(p), fwd[c], operand)  # forward dataflow
+                edge(out_of(p), bwd[c], operand)  # saved activation
+                if grad_of(p) is not None:
+                    edge(bwd[c], bwd[p], operand)  # gradient flows back
+            if weight:
+                w = node(0.0, rng.uniform(1e7, 5e7))
+                grad, state, update = (node(rng.uniform(1e9, 1e11), sizes[w]) for _ in range(3))
+                edge(w, fwd[c], 1)
+                edge(w, bwd[c], 1)
+                edge(out_of(reads[0]), grad, 0)
+                edge(bwd[c], grad, 1)
+                for source in (w, grad, state):
+                    edge(source, update, 0)
+        layer_input = fwd[-1]
+    return CostGraph(tuple(costs), tuple(memory), tuple(edges), tuple(f"n{v}" for v in range(len(costs))))

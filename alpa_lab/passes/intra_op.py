@@ -1,0 +1,426 @@
+"""The intra-operator pass (Alpa paper, sec. 4): one sharding strategy per op, by ILP.
+
+``build_strategy_graph`` turns an ``OpGraph`` on a ``LogicalMesh`` into the ILP's data:
+every op (and every argument, whose strategies are the ways to store it) gets its
+strategies from ``sharding.rules``; every operand edge gets the matrix of resharding costs
+between the producer's output spec and the spec the consumer wants (Table 2). Trivial ops
+(element-wise, layout) are merged into the op that produces their largest operand
+(sec. 4.2): they take the strategy that keeps that operand's spec, which shrinks the ILP
+without changing what the plan can express for the ops that matter.
+
+``solve_strategy_graph`` applies pins (fixed strategies), solves with ``passes.ilp`` and
+maps the group choices back to every op. It is pure: same inputs, same result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Collection, Mapping
+
+import numpy as np
+
+from alpa_lab.cost.cluster import LogicalMesh
+from alpa_lab.graph.analysis import classify_arguments, find_aliases
+from alpa_lab.graph.opgraph import Op, OpGraph, Var
+from alpa_lab.graph.trace import param_signature
+from alpa_lab.passes.ilp import CostGraph, ILPSolution, InfeasibleError, solve
+from alpa_lab.sharding.resharding import resharding
+from alpa_lab.sharding.rules import has_rule, is_follower, strategies_for
+from alpa_lab.sharding.spec import ShardingSpec, enumerate_specs
+from alpa_lab.sharding.strategy import Strategy
+
+
+class PinError(ValueError):
+    """A pin that names no op, names a strategy the op does not have, or conflicts."""
+
+    def __init__(self, message: str, pins: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.pins = pins
+
+
+@dataclass(frozen=True, eq=False)
+class PlanningNode:
+    """An op, or an argument/constant array, with the strategies the ILP chooses among."""
+
+    name: str
+    kind: str  # "op", "input" or "const"
+    strategies: tuple[Strategy, ...]
+    op_index: int | None = None
+    var: int | None = None
+    label: str = ""
+    primitive: str = ""
+
+    def strategy_index(self, name: str) -> int:
+        for i, s in enumerate(self.strategies):
+            if s.name == name:
+                return i
+        # "S0R x RS1" names a dot strategy by its operands alone
+        matches = [i for i, s in enumerate(self.strategies) if s.name.split(" = ")[-1] == name]
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(repr(s.name) for s in self.strategies[:12])
+        more = f" (and {len(self.strategies) - 12} more)" if len(self.strategies) > 12 else ""
+        raise PinError(f"op {self.name!r} has no strategy {name!r}; its strategies are {known}{more}", (self.name,))
+
+
+@dataclass(frozen=True)
+class OperandEdge:
+    """Operand ``operand`` of node ``consumer`` is output ``output`` of node ``producer``.
+
+    ``consumer`` is ``-1 - i`` for the i-th output of the program when that output must
+    return in the layout of the argument it replaces (the next step reads it back).
+    """
+
+    producer: int
+    output: int
+    consumer: int
+    operand: int
+    var: int
+
+
+@dataclass(frozen=True, eq=False)
+class StrategyGraph:
+    """The intra-op problem for one program on one logical mesh: plain numpy data."""
+
+    mesh: LogicalMesh
+    nodes: tuple[PlanningNode, ...]
+    node_of_var: Mapping[int, tuple[int, int]]
+    edges: tuple[OperandEdge, ...]
+    group_of_node: np.ndarray
+    member_map: tuple[np.ndarray, ...]
+    """member_map[n][r]: node n's strategy when its group's representative takes strategy r."""
+    cost_graph: CostGraph
+    aliases: Mapping[int, int] = field(default_factory=dict)
+    """program output position -> argument var it replaces (same path, shape and dtype)."""
+    unplanned_primitives: tuple[str, ...] = ()
+    build_seconds: float = 0.0
+    fingerprint: str = ""
+    invars: tuple[int, ...] = ()
+    outvars: tuple[int, ...] = ()
+    in_paths: tuple[str, ...] = ()
+    out_paths: tuple[str, ...] = ()
+    var_info: Mapping[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    """var id -> (shape, itemsize) of every tensor, so plans need no OpGraph."""
+    var_dtype: Mapping[int, str] = field(default_factory=dict)
+    argument_kinds: Mapping[int, str] = field(default_factory=dict)
+    """argument var -> "param", "optimizer_state" or "data" (``graph.analysis``)."""
+
+    def node_index(self, name: str) -> int:
+        for i, n in enumerate(self.nodes):
+            if n.name == name:
+                return i
+        import difflib
+
+        close = difflib.get_close_matches(name, [n.name for n in self.nodes], n=5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise PinError(f"no op or argument named {name!r} in this program{hint}", (name,))
+
+
+@dataclass(frozen=True)
+class IntraOpSolution:
+    """A choice of strategy for every node of a StrategyGraph."""
+
+    choice: tuple[int, ...]
+    objective: float
+    ilp: ILPSolution
+
+
+def build_strategy_graph(graph: OpGraph, mesh: LogicalMesh, *, merge_trivial_ops: bool = True) -> StrategyGraph:
+    """Enumerate strategies and resharding costs for ``graph`` on ``mesh``."""
+    t0 = time.perf_counter()
+    nodes: list[PlanningNode] = []
+    node_of_var: dict[int, tuple[int, int]] = {}
+    argument_kinds = classify_arguments(graph)
+    for vid in graph.invars + tuple(graph.consts):
+        var = graph.vars[vid]
+        if var.kind == "const" and var.rank == 0:
+            continue
+        node_of_var[vid] = (len(nodes), 0)
+        name = var.name if var.kind == "input" else f"const_{vid}"
+        per_step = argument_kinds.get(vid) == "data"
+        nodes.append(PlanningNode(name, var.kind, _storage_strategies(var, mesh, per_step), var=vid))
+
+    strategy_cache: dict[tuple, tuple[Strategy, ...]] = {}
+    unplanned = []
+    for op in graph.ops:
+        key = _op_key(op, graph)
+        if key not in strategy_cache:
+            strategy_cache[key] = tuple(strategies_for(op, graph, mesh))
+        if not has_rule(op.primitive):
+            unplanned.append(op.primitive)
+        for pos, vid in enumerate(op.outputs):
+            node_of_var[vid] = (len(nodes), pos)
+        nodes.append(PlanningNode(op.name, "op", strategy_cache[key], op_index=op.index, label=op.label, primitive=op.primitive))
+
+    edges = []
+    for node_idx, node in enumerate(nodes):
+        if node.op_index is None:
+            continue
+        for pos, vid in enumerate(graph.ops[node.op_index].inputs):
+            if vid in node_of_var:
+                producer, out = node_of_var[vid]
+                edges.append(OperandEdge(producer, out, node_idx, pos, vid))
+    aliases = find_aliases(graph)
+    for out_pos, in_var in aliases.items():
+        vid = graph.outvars[out_pos]
+        if vid in node_of_var and in_var in node_of_var and graph.vars[vid].kind == "op":
+            producer, out = node_of_var[vid]
+            edges.append(OperandEdge(producer, out, -1 - out_pos, node_of_var[in_var][0], vid))
+
+    group_of_node, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
+    cost_graph = _cost_graph(graph, mesh, nodes, edges, group_of_node, member_map)
+    return StrategyGraph(
+        mesh=mesh,
+        nodes=tuple(nodes),
+        node_of_var=node_of_var,
+        edges=tuple(edges),
+        group_of_node=group_of_node,
+        member_map=tuple(member_map),
+        cost_graph=cost_graph,
+        aliases=aliases,
+        unplanned_primitives=tuple(sorted(set(unplanned))),
+        build_seconds=time.perf_counter() - t0,
+        fingerprint=graph.fingerprint,
+        invars=graph.invars,
+        outvars=graph.outvars,
+        in_paths=graph.in_paths,
+        out_paths=graph.out_paths,
+        var_info={v.id: (v.shape, v.itemsize) for v in graph.vars},
+        var_dtype={v.id: v.dtype for v in graph.vars},
+        argument_kinds=argument_kinds,
+    )
+
+
+def _storage_strategies(var: Var, mesh: LogicalMesh, per_step: bool) -> tuple[Strategy, ...]:
+    """An argument can be stored in any spec that fits it.
+
+    State stays on the devices between steps and costs memory only; data (the batch) is
+    copied from the host every step, each device receiving its tile.
+    """
+    out = []
+    for spec in enumerate_specs(var.shape, mesh.shape):
+        tile = var.nbytes / spec.num_shards(mesh.shape)
+        load = tile / mesh.host_to_device_bandwidth if per_step else 0.0
+        out.append(Strategy(str(spec), (spec,), (), load, 0.0, tile))
+    return tuple(out)
+
+
+def _op_key(op: Op, graph: OpGraph) -> tuple:
+    """Ops with equal keys have equal strategies (repeated layers share one enumeration)."""
+    ins = tuple((graph.vars[v].shape, graph.vars[v].dtype, graph.vars[v].kind == "literal") for v in op.inputs)
+    outs = tuple((graph.vars[v].shape, graph.vars[v].dtype) for v in op.outputs)
+    return (op.primitive, param_signature(op.params), ins, outs, op.flops)
+
+
+def _merge_trivial_ops(
+    graph: OpGraph, nodes: list[PlanningNode], node_of_var: dict[int, tuple[int, int]], enabled: bool
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Group each trivial op with the producer of its largest operand (Alpa sec. 4.2).
+
+    A follower joins only if, for every strategy of the group, it has a strategy that
+    takes that operand in exactly the spec the group makes; otherwise it stays alone.
+    """
+    group_of_node = np.arange(len(nodes))
+    member_map = [np.arange(len(n.strategies)) for n in nodes]
+    if not enabled:
+        return group_of_node, member_map
+    for idx, node in enumerate(nodes):
+        if node.op_index is None:
+            continue
+        op = graph.ops[node.op_index]
+        if not is_follower(op):
+            continue
+        operands = [(graph.vars[v].nbytes, -pos, pos, v) for pos, v in enumerate(op.inputs) if v in node_of_var]
+        if not operands:
+            continue
+        _, _, pos, vid = max(operands)
+        leader, out = node_of_var[vid]
+        group = group_of_node[leader]
+        leader_specs = [nodes[leader].strategies[j].output_specs[out] for j in member_map[leader]]
+        best: dict[ShardingSpec, int] = {}
+        for j, s in enumerate(node.strategies):
+            spec = s.input_specs[pos]
+            if spec not in best or s.cost < node.strategies[best[spec]].cost:
+                best[spec] = j
+        if all(spec in best for spec in leader_specs):
+            group_of_node[idx] = group
+            member_map[idx] = np.array([best[spec] for spec in leader_specs], dtype=np.int64)
+    return group_of_node, member_map
+
+
+def _cost_graph(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    nodes: list[PlanningNode],
+    edges: list[OperandEdge],
+    group_of_node: np.ndarray,
+    member_map: list[np.ndarray],
+) -> CostGraph:
+    """Costs per group (sum over members) and resharding matrices between groups."""
+    groups = sorted(set(int(g) for g in group_of_node))
+    gindex = {g: i for i, g in enumerate(groups)}
+    costs = [np.zeros(len(nodes[g].strategies)) for g in groups]
+    memory = [np.zeros(len(nodes[g].strategies)) for g in groups]
+    for n, node in enumerate(nodes):
+        gi = gindex[int(group_of_node[n])]
+        cost = np.array([s.cost for s in node.strategies])
+        mem = np.array([s.memory_cost for s in node.strategies])
+        costs[gi] += cost[member_map[n]]
+        memory[gi] += mem[member_map[n]]
+    tables: dict[tuple, np.ndarray] = {}
+    group_edges: dict[tuple[int, int], np.ndarray] = {}
+    for e in edges:
+        var = graph.vars[e.var]
+        src = [s.output_specs[e.output] for s in nodes[e.producer].strategies]
+        if e.consumer >= 0:
+            consumer = e.consumer
+            dst = [s.input_specs[e.operand] for s in nodes[consumer].strategies]
+        else:  # an output that must come back in its argument's layout
+            consumer = e.operand
+            dst = [s.output_specs[0] for s in nodes[consumer].strategies]
+        table = _resharding_table(src, dst, var, mesh, tables)
+        lifted = table[np.ix_(member_map[e.producer], member_map[consumer])]
+        gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
+        if gu == gv:
+            costs[gu] += np.diag(lifted)
+        elif (gv, gu) in group_edges:
+            group_edges[(gv, gu)] = group_edges[(gv, gu)] + lifted.T
+        else:
+            group_edges[(gu, gv)] = group_edges.get((gu, gv), 0) + lifted
+    return CostGraph(
+        node_costs=tuple(costs),
+        node_memory=tuple(memory),
+        edges=tuple((u, v, m) for (u, v), m in group_edges.items()),
+        names=tuple(nodes[g].name for g in groups),
+    )
+
+
+def _resharding_table(
+    src: list[ShardingSpec], dst: list[ShardingSpec], var: Var, mesh: LogicalMesh, cache: dict
+) -> np.ndarray:
+    """Seconds to reshard ``var`` from each src spec to each dst spec (cached by shape)."""
+    usrc = sorted(set(src), key=str)
+    udst = sorted(set(dst), key=str)
+    key = (var.shape, var.itemsize, tuple(usrc), tuple(udst))
+    if key not in cache:
+        cache[key] = np.array(
+            [[resharding(a, b, var.shape, var.itemsize, mesh).cost for b in udst] for a in usrc]
+        )
+    table = cache[key]
+    si = np.array([usrc.index(s) for s in src])
+    di = np.array([udst.index(s) for s in dst])
+    return table[np.ix_(si, di)]
+
+
+def solve_strategy_graph(
+    sg: StrategyGraph,
+    pins: Mapping[str, str] | None = None,
+    *,
+    restrictions: Mapping[str, Collection[str]] | None = None,
+    memory_budget: float | None = None,
+    time_limit: float = 60.0,
+) -> IntraOpSolution:
+    """Choose a strategy for every node.
+
+    ``pins`` fix a node (op or argument name) to one strategy; ``restrictions`` limit a
+    node to a set of strategies (how the comparison methods, e.g. data parallel, are
+    expressed). Infeasible pins raise a ``PinError`` naming a minimal conflicting set.
+    """
+    pins = dict(pins or {})
+    restrictions = dict(restrictions or {})
+    allowed = allowed_strategies(sg, pins, restrictions)
+    try:
+        sol = solve(sg.cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
+    except InfeasibleError as exc:
+        if pins:
+            conflict = _conflicting_pins(sg, pins, restrictions, memory_budget, time_limit)
+            if conflict:
+                where = " within the memory budget" if memory_budget else ""
+                raise PinError(
+                    f"these pins cannot hold together{where}: "
+                    + ", ".join(f"{k}={v!r}" for k, v in conflict.items())
+                    + "; unpin one of them",
+                    tuple(conflict),
+                ) from exc
+        raise
+    gindex = _group_index(sg)
+    choice = tuple(
+        int(sg.member_map[n][sol.choice[gindex[int(sg.group_of_node[n])]]]) for n in range(len(sg.nodes))
+    )
+    return IntraOpSolution(choice=choice, objective=sol.objective, ilp=sol)
+
+
+def _group_index(sg: StrategyGraph) -> dict[int, int]:
+    """Representative node -> index of its group in the cost graph."""
+    return {g: i for i, g in enumerate(sorted(set(int(g) for g in sg.group_of_node)))}
+
+
+def allowed_strategies(
+    sg: StrategyGraph, pins: Mapping[str, str], restrictions: Mapping[str, Collection[str]] | None = None
+) -> dict[int, set[int]]:
+    """Pins and restrictions on nodes become allowed strategy sets of their groups."""
+    gindex = _group_index(sg)
+    wanted: dict[str, tuple[set[int], str]] = {}
+    for name, names in (restrictions or {}).items():
+        node = sg.nodes[sg.node_index(name)]
+        wanted[name] = ({node.strategy_index(x) for x in names}, "restriction")
+    for name, strategy in pins.items():
+        node = sg.nodes[sg.node_index(name)]
+        j = {node.strategy_index(strategy)}
+        prev = wanted.get(name, (j, ""))[0]
+        wanted[name] = (prev & j, "pin")
+        if not wanted[name][0]:
+            raise PinError(f"pin {name}={strategy!r} is not allowed by the planning method's restrictions", (name,))
+    allowed: dict[int, set[int]] = {}
+    owner: dict[int, list[str]] = {}
+    for name, (js, why) in wanted.items():
+        n = sg.node_index(name)
+        gi = gindex[int(sg.group_of_node[n])]
+        reps = {r for r, m in enumerate(sg.member_map[n]) if int(m) in js}
+        if not reps:
+            leader = sg.cost_graph.names[gi]
+            raise PinError(
+                f"op {name!r} is merged into {leader!r} (it follows that op's layout), and no choice there "
+                f"gives it the {why}ned strategy; pin {leader!r} instead (see plan.explain({leader!r}))",
+                (name,),
+            )
+        allowed[gi] = allowed.get(gi, reps) & reps
+        if why == "pin":
+            owner.setdefault(gi, []).append(name)
+        if not allowed[gi]:
+            names = owner.get(gi, [name])
+            raise PinError(
+                "these pins cannot hold together (they fix one group of merged ops in two ways): "
+                + ", ".join(f"{k}={pins.get(k, '?')!r}" for k in names)
+                + "; unpin one of them",
+                tuple(names),
+            )
+    return allowed
+
+
+def _conflicting_pins(
+    sg: StrategyGraph,
+    pins: dict[str, str],
+    restrictions: Mapping[str, Collection[str]],
+    memory_budget: float | None,
+    time_limit: float,
+) -> dict[str, str]:
+    """A minimal set of pins that is infeasible on its own (deletion filter)."""
+
+    def feasible(subset: dict[str, str]) -> bool:
+        try:
+            allowed = allowed_strategies(sg, subset, restrictions)
+            solve(sg.cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
+            return True
+        except (InfeasibleError, PinError):
+            return False
+
+    if feasible({}) is False:
+        return {}
+    core = dict(pins)
+    for name in list(pins):
+        trial = {k: v for k, v in core.items() if k != name}
+        if not feasible(trial):
+            core = trial
+    return core

@@ -1,0 +1,151 @@
+"""Planning methods: Alpa's, and the baselines it is compared against.
+
+Every method is the same ILP over the same costs with restricted choices for how the
+arguments (parameters, optimizer state, batch) are stored; the ILP fills in every op. So
+predicted costs of different methods are comparable:
+
+* ``alpa``: no restriction (the paper's method), then the post-ILP weight-update rewrite.
+* ``data_parallel``: the batch split over every device, the train state replicated.
+* ``zero2``: data parallel with the optimizer state split over every device (ZeRO-2-like;
+  gradients are reduce-scattered where the ILP finds that cheaper).
+* ``zero3``: data parallel with parameters and optimizer state split (ZeRO-3-like).
+* ``megatron``: the batch split over mesh axis 0 only, every weight matrix split over mesh
+  axis 1 (column or row, whichever the ILP finds cheaper), as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Mapping
+
+from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, solve_strategy_graph
+from alpa_lab.sharding.spec import ShardingSpec
+
+METHODS = ("alpa", "data_parallel", "zero2", "zero3", "megatron")
+
+REWRITE_TOLERANCE = 0.01
+"""The weight-update rewrite is kept unless it makes the predicted step this much slower."""
+
+
+class MethodError(ValueError):
+    """A comparison method that cannot apply to this program or mesh."""
+
+
+@dataclass(frozen=True)
+class MethodSolution:
+    solution: IntraOpSolution
+    restrictions: Mapping[str, tuple[str, ...]]
+    rewrites: tuple[str, ...] = ()
+
+
+def solve_method(
+    sg: StrategyGraph,
+    method: str,
+    pins: Mapping[str, str] | None = None,
+    *,
+    memory_budget: float | None = None,
+) -> MethodSolution:
+    """Solve ``sg`` the way ``method`` plans, honouring ``pins``."""
+    restrictions = method_restrictions(method, sg)
+    solution = solve_strategy_graph(sg, pins, restrictions=restrictions, memory_budget=memory_budget)
+    if method != "alpa":
+        return MethodSolution(solution, restrictions)
+    return shard_weight_update(sg, solution, pins or {}, memory_budget)
+
+
+def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, ...]]:
+    """Allowed storage specs of each argument under ``method`` (node name -> spec names)."""
+    if method not in METHODS:
+        raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "alpa":
+        return {}
+    mesh_shape = sg.mesh.shape
+    all_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
+    out: dict[str, tuple[str, ...]] = {}
+    for vid, kind in sg.argument_kinds.items():
+        if vid not in sg.node_of_var:
+            continue
+        node = sg.nodes[sg.node_of_var[vid][0]]
+        specs = [s.output_specs[0] for s in node.strategies]
+        shape = sg.var_info[vid][0]
+        replicated = [ShardingSpec.replicated(len(shape))]
+        if kind == "data":
+            if method == "megatron":  # data parallel only along mesh axis 0
+                axes = (0,) if mesh_shape[0] > 1 else ()
+            else:
+                axes = all_axes
+            if not shape or not axes:
+                allowed = replicated
+            else:
+                allowed = [s for s in specs if s.dims[0] == axes and not any(s.dims[1:])]
+                if not allowed:
+                    raise MethodError(
+                        f"{method}: cannot split the batch argument {node.name} of shape {shape} over the "
+                        f"{mesh_shape[0]}x{mesh_shape[1]} mesh; its leading dimension must divide by "
+                        f"{ShardingSpec(((axes),)).num_shards(mesh_shape)}"
+                    )
+        elif method == "megatron":
+            if kind == "param" and len(shape) >= 2 and mesh_shape[1] > 1:
+                allowed = [s for s in specs if 1 in s.mesh_axes_used and 0 not in s.mesh_axes_used]
+            else:
+                allowed = [s for s in specs if 0 not in s.mesh_axes_used]
+            allowed = allowed or replicated
+        else:
+            split = (kind == "optimizer_state" and method in ("zero2", "zero3")) or (kind == "param" and method == "zero3")
+            spec = _widen(ShardingSpec.replicated(len(shape)), all_axes, specs) if split else None
+            allowed = [spec] if spec else replicated
+        out[node.name] = tuple(str(s) for s in allowed)
+    return out
+
+
+def _widen(spec: ShardingSpec, axes: tuple[int, ...], specs: list[ShardingSpec]) -> ShardingSpec | None:
+    """``spec`` also split over ``axes`` on its first dimension that allows it (ZeRO's flat split)."""
+    free = tuple(a for a in axes if a not in spec.mesh_axes_used)
+    if not free:
+        return None
+    for d in range(spec.rank):
+        dims = tuple(axes_d + free if i == d else axes_d for i, axes_d in enumerate(spec.dims))
+        wider = ShardingSpec(dims)
+        if wider in specs:
+            return wider
+    return None
+
+
+def shard_weight_update(
+    sg: StrategyGraph, solution: IntraOpSolution, pins: Mapping[str, str], memory_budget: float | None
+) -> MethodSolution:
+    """Post-ILP rewrite (Alpa sec. 4.2): split the weight update over replicated mesh axes.
+
+    Where the optimizer state is replicated over a mesh axis, data-parallel devices all
+    compute the same update. Splitting that state over the axis turns the gradient's
+    all-reduce into a reduce-scatter, the update into 1/n of the work and memory, and adds
+    an all-gather of the new weights: ZeRO-like. The re-solve keeps parameters where they
+    were; the rewrite is kept unless the predicted step gets slower by REWRITE_TOLERANCE.
+    """
+    restrictions: dict[str, tuple[str, ...]] = {}
+    rewrites = []
+    axes = tuple(a for a in (0, 1) if sg.mesh.shape[a] > 1)
+    keep = {}
+    for vid, kind in sg.argument_kinds.items():
+        if vid not in sg.node_of_var:
+            continue
+        n = sg.node_of_var[vid][0]
+        node = sg.nodes[n]
+        chosen = node.strategies[solution.choice[n]]
+        if kind == "param" and node.name not in pins:
+            keep[node.name] = chosen.name
+        if kind != "optimizer_state" or node.name in pins:
+            continue
+        wider = _widen(chosen.output_specs[0], axes, [s.output_specs[0] for s in node.strategies])
+        if wider is not None:
+            restrictions[node.name] = (str(wider),)
+            rewrites.append(f"{node.name}: {chosen.name} -> {wider}")
+    if not restrictions:
+        return MethodSolution(solution, {})
+    try:
+        rewritten = solve_strategy_graph(sg, {**pins, **keep}, restrictions=restrictions, memory_budget=memory_budget)
+    except ValueError:
+        return MethodSolution(solution, {})
+    if rewritten.objective > solution.objective * (1 + REWRITE_TOLERANCE):
+        return MethodSolution(solution, {})
+    return MethodSolution(rewritten, {**restrictions, **{k: (v,) for k, v in keep.items()}}, tuple(rewrites))

@@ -1,0 +1,549 @@
+"""A ``Plan``: what the planner decided, as plain data.
+
+A plan records, for every op and argument, the chosen strategy with its specs and costs;
+the reshardings between ops; the mesh; the pins it honours; and a fingerprint of the traced
+program it belongs to. It holds no live JAX objects, so it saves to JSON and loads back
+anywhere. A plan made in this session also keeps the planner's problem (the strategy
+graph) beside it, which is what lets ``pin`` re-solve in place; a loaded plan gets it back
+through ``ParallelizedStep.use``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from alpa_lab.cost.cluster import Collective, _fmt_bytes
+from alpa_lab.graph.opgraph import OpGraph
+from alpa_lab.passes.intra_op import PinError, StrategyGraph
+from alpa_lab.passes.methods import MethodSolution, solve_method
+from alpa_lab.sharding.resharding import resharding
+
+SCHEMA_VERSION = 1
+
+
+class PlanFormatError(ValueError):
+    """Plan JSON that is corrupt, of another schema version, or for another program."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """An argument or result of the step: where it lives between steps."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """The strategy chosen for one op (or one argument, ``kind == "input"``)."""
+
+    name: str
+    kind: str
+    primitive: str
+    label: str
+    strategy: str
+    input_specs: tuple[str, ...]
+    output_specs: tuple[str, ...]
+    compute_cost: float
+    communication_cost: float
+    memory_cost: float
+    collectives: tuple[Collective, ...]
+    merged_into: str
+    num_strategies: int
+
+
+@dataclass(frozen=True)
+class ReshardingPlan:
+    """A tensor that changes spec between its producer and a consumer."""
+
+    producer: str
+    consumer: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: str
+    dst: str
+    collectives: tuple[Collective, ...]
+
+    @property
+    def cost(self) -> float:
+        return sum(c.cost for c in self.collectives)
+
+
+@dataclass(frozen=True)
+class OpChange:
+    name: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    """What changed between two plans of the same program, and what it did to the cost."""
+
+    changes: tuple[OpChange, ...]
+    time_before: float
+    time_after: float
+    memory_before: float
+    memory_after: float
+    pins_added: tuple[str, ...]
+    pins_removed: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = [
+            f"predicted step time {self.time_before * 1e3:.3f} ms -> {self.time_after * 1e3:.3f} ms "
+            f"({_signed_pct(self.time_before, self.time_after)}), memory/device "
+            f"{_fmt_bytes(self.memory_before)} -> {_fmt_bytes(self.memory_after)}",
+        ]
+        if self.pins_added:
+            lines.append("pinned: " + ", ".join(self.pins_added))
+        if self.pins_removed:
+            lines.append("unpinned: " + ", ".join(self.pins_removed))
+        lines.append(f"{len(self.changes)} ops changed strategy" + (":" if self.changes else ""))
+        lines += [f"  {c.name}: {c.before} -> {c.after}" for c in self.changes]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    strategy: str
+    own_cost: float
+    resharding_cost: float
+    chosen: bool
+
+    @property
+    def total(self) -> float:
+        return self.own_cost + self.resharding_cost
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why an op got its strategy: every alternative's cost with its neighbours held fixed."""
+
+    op: OpPlan
+    alternatives: tuple[Alternative, ...]
+    merged_into: str
+
+    def __str__(self) -> str:
+        lines = [f"{self.op.name} ({self.op.primitive}, {self.op.label or 'no label'}): chose {self.op.strategy!r}"]
+        if self.merged_into != self.op.name:
+            lines.append(f"  merged into {self.merged_into!r}: it follows that op's layout (Alpa sec. 4.2)")
+        lines.append("  strategy                              own cost    resharding  total")
+        for a in sorted(self.alternatives, key=lambda a: a.total):
+            mark = "*" if a.chosen else " "
+            lines.append(
+                f"{mark} {a.strategy:<36} {a.own_cost * 1e6:9.2f}us {a.resharding_cost * 1e6:9.2f}us {a.total * 1e6:9.2f}us"
+            )
+        lines.append("  (costs with every other op's strategy held as planned; * = chosen)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CollectiveComparison:
+    """Collectives the plan predicts next to those in XLA's compiled HLO, by kind."""
+
+    predicted: Mapping[str, int]
+    compiled: Mapping[str, int]
+
+    def __str__(self) -> str:
+        kinds = sorted(set(self.predicted) | set(self.compiled))
+        rows = [f"  {k:<20} predicted {self.predicted.get(k, 0):4d}   compiled {self.compiled.get(k, 0):4d}" for k in kinds]
+        return "collectives (XLA may combine several into one, or lower one kind as another):\n" + "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's decisions for one traced program on one logical mesh."""
+
+    fingerprint: str
+    method: str
+    cluster: Mapping[str, Any]
+    mesh_shape: tuple[int, int]
+    device_ids: tuple[int, ...]
+    ops: tuple[OpPlan, ...]
+    inputs: tuple[TensorPlan, ...]
+    outputs: tuple[TensorPlan, ...]
+    reshardings: tuple[ReshardingPlan, ...]
+    pins: tuple[tuple[str, str], ...]
+    objective: float
+    memory_budget: float | None = None
+    solver: Mapping[str, Any] = field(default_factory=dict)
+    mesh_candidates: tuple[tuple[tuple[int, int], float], ...] = ()
+    unplanned_primitives: tuple[str, ...] = ()
+    rewrites: tuple[str, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+    problem: StrategyGraph | None = field(default=None, compare=False, repr=False)
+
+    # ----- figures -------------------------------------------------------------------
+    @property
+    def estimated_step_time(self) -> float:
+        """Predicted seconds per step: compute + communication + resharding (the ILP objective)."""
+        return self.objective
+
+    @property
+    def memory_per_device(self) -> float:
+        """Bytes per device of every tensor the plan keeps (an upper bound: no liveness)."""
+        return sum(o.memory_cost for o in self.ops)
+
+    @property
+    def compute_cost(self) -> float:
+        return sum(o.compute_cost for o in self.ops)
+
+    @property
+    def communication_cost(self) -> float:
+        return sum(o.communication_cost for o in self.ops) + sum(r.cost for r in self.reshardings)
+
+    def op(self, name: str) -> OpPlan:
+        for o in self.ops:
+            if o.name == name:
+                return o
+        import difflib
+
+        close = difflib.get_close_matches(name, [o.name for o in self.ops], n=5)
+        raise KeyError(f"no op named {name!r} in this plan" + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+    def predicted_collectives(self) -> Counter:
+        """Collective kinds and counts the plan issues per step."""
+        count: Counter = Counter()
+        for o in self.ops:
+            count.update(c.kind for c in o.collectives)
+        for r in self.reshardings:
+            count.update(c.kind for c in r.collectives)
+        return count
+
+    def compare_collectives(self, hlo_text: str) -> CollectiveComparison:
+        return CollectiveComparison(dict(self.predicted_collectives()), count_hlo_collectives(hlo_text))
+
+    def summary(self, max_rows: int = 40) -> str:
+        lines = [
+            f"Plan ({self.method}) for program {self.fingerprint} on {self.cluster.get('name', '?')}, "
+            f"logical mesh {self.mesh_shape[0]}x{self.mesh_shape[1]}",
+            f"  predicted step time {self.estimated_step_time * 1e3:.3f} ms "
+            f"(compute {self.compute_cost * 1e3:.3f} ms, communication {self.communication_cost * 1e3:.3f} ms); "
+            f"memory/device {_fmt_bytes(self.memory_per_device)}",
+            "  collectives per step: "
+            + (", ".join(f"{k} x{v}" for k, v in sorted(self.predicted_collectives().items())) or "none"),
+        ]
+        if self.mesh_candidates:
+            lines.append(
+                "  mesh shapes tried: "
+                + ", ".join(f"{a}x{b}: {t * 1e3:.3f} ms" for (a, b), t in self.mesh_candidates)
+            )
+        if self.pins:
+            lines.append("  pins: " + ", ".join(f"{k}={v!r}" for k, v in self.pins))
+        if self.unplanned_primitives:
+            lines.append("  no sharding rule (planned replicated): " + ", ".join(self.unplanned_primitives))
+        if self.rewrites:
+            lines.append(f"  post-ILP rewrites: {len(self.rewrites)} (" + "; ".join(self.rewrites[:3]) + (" ..." if len(self.rewrites) > 3 else "") + ")")
+        heavy = [o for o in self.ops if o.kind == "op" and (o.collectives or o.primitive in ("dot_general", "conv_general_dilated"))]
+        lines.append(f"  {'op':<22} {'strategy':<30} {'comm':>10}  collectives")
+        for o in heavy[:max_rows]:
+            colls = ", ".join(map(str, o.collectives)) or "-"
+            lines.append(f"  {o.name:<22} {o.strategy:<30} {o.communication_cost * 1e6:8.1f}us  {colls}")
+        if len(heavy) > max_rows:
+            lines.append(f"  ... {len(heavy) - max_rows} more contraction/communicating ops")
+        inputs = [i for i in self.inputs if i.spec.strip("R-")]
+        lines.append(f"  arguments sharded: {len(inputs)} of {len(self.inputs)}")
+        if self.reshardings:
+            lines.append(f"  reshardings: {len(self.reshardings)} ({sum(r.cost for r in self.reshardings) * 1e6:.1f}us)")
+        return "\n".join(lines)
+
+    # ----- editing -------------------------------------------------------------------
+    def _require_problem(self) -> StrategyGraph:
+        if self.problem is None:
+            raise PlanFormatError(
+                "this plan was loaded from JSON and has no planner state attached; "
+                "call step.use(plan) with the ParallelizedStep it belongs to, then edit step.current_plan"
+            )
+        return self.problem
+
+    def pin(self, op: str | None = None, strategy: str | None = None, *, pins: Mapping[str, str] | None = None) -> Plan:
+        """A new plan with ``op`` fixed to ``strategy`` (and the other pins kept), re-solved.
+
+        On failure (unknown op, unknown strategy, conflicting pins) this plan is untouched
+        and a ``PinError`` says what to change.
+        """
+        new = dict(self.pins)
+        if op is not None:
+            if strategy is None:
+                raise PinError("pin(op, strategy) needs a strategy name; see plan.explain(op) for the choices", (op,))
+            new[op] = strategy
+        new.update(pins or {})
+        return self._resolve(new)
+
+    def unpin(self, op: str) -> Plan:
+        pins = dict(self.pins)
+        if op not in pins:
+            raise PinError(f"{op!r} is not pinned; pinned: {', '.join(pins) or 'nothing'}", (op,))
+        del pins[op]
+        return self._resolve(pins)
+
+    def _resolve(self, pins: Mapping[str, str]) -> Plan:
+        sg = self._require_problem()
+        solved = solve_method(sg, self.method, pins, memory_budget=self.memory_budget)
+        return make_plan(
+            sg,
+            solved,
+            method=self.method,
+            cluster=self.cluster,
+            pins=pins,
+            memory_budget=self.memory_budget,
+            mesh_candidates=self.mesh_candidates,
+        )
+
+    def diff(self, other: Plan) -> PlanDiff:
+        """Changes from ``other`` (the older plan) to this one."""
+        if other.fingerprint != self.fingerprint:
+            raise PlanFormatError(
+                f"cannot diff plans of different programs ({other.fingerprint} vs {self.fingerprint})"
+            )
+        before = {o.name: o.strategy for o in other.ops}
+        changes = tuple(
+            OpChange(o.name, before.get(o.name, "?"), o.strategy) for o in self.ops if before.get(o.name) != o.strategy
+        )
+        old_pins, new_pins = dict(other.pins), dict(self.pins)
+        return PlanDiff(
+            changes=changes,
+            time_before=other.estimated_step_time,
+            time_after=self.estimated_step_time,
+            memory_before=other.memory_per_device,
+            memory_after=self.memory_per_device,
+            pins_added=tuple(f"{k}={v!r}" for k, v in new_pins.items() if old_pins.get(k) != v),
+            pins_removed=tuple(k for k in old_pins if k not in new_pins),
+        )
+
+    def explain(self, op: str) -> Explanation:
+        """Every strategy of ``op`` with its cost, the rest of the plan held fixed."""
+        sg = self._require_problem()
+        n = sg.node_index(op)
+        node = sg.nodes[n]
+        chosen = {o.name: o.strategy for o in self.ops}
+        choice = {i: sg.nodes[i].strategy_index(chosen[nd.name]) for i, nd in enumerate(sg.nodes)}
+        alts = []
+        for j, s in enumerate(node.strategies):
+            reshard = 0.0
+            for e in sg.edges:
+                if e.consumer == n:
+                    src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+                    dst = s.input_specs[e.operand]
+                elif e.producer == n:
+                    src = s.output_specs[e.output]
+                    if e.consumer >= 0:
+                        dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
+                    else:
+                        dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
+                elif e.consumer < 0 and e.operand == n:
+                    src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+                    dst = s.output_specs[0]
+                else:
+                    continue
+                shape, itemsize = sg.var_info[e.var]
+                reshard += resharding(src, dst, shape, itemsize, sg.mesh).cost
+            alts.append(Alternative(s.name, s.cost, reshard, j == choice[n]))
+        leader = sg.nodes[int(sg.group_of_node[n])].name
+        return Explanation(self.op(op), tuple(alts), leader)
+
+    # ----- persistence ---------------------------------------------------------------
+    def to_json(self) -> str:
+        data = dataclasses.asdict(dataclasses.replace(self, problem=None))
+        data.pop("problem")
+        return json.dumps(data, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"plan file is not valid JSON ({exc}); was it truncated or edited by hand?") from exc
+        if not isinstance(data, dict) or "schema_version" not in data:
+            raise PlanFormatError("this JSON is not an alpa_lab plan (no 'schema_version' field)")
+        if data["schema_version"] != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"plan schema version {data['schema_version']} is not supported by this alpa_lab "
+                f"(expects {SCHEMA_VERSION}); re-plan the step to get a current plan"
+            )
+        try:
+            return _plan_from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanFormatError(f"plan JSON is missing or has malformed fields: {exc!r}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PlanFormatError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
+        return cls.from_json(text)
+
+    def check_program(self, graph: OpGraph) -> None:
+        """Raise if this plan was made for another program than ``graph``."""
+        if graph.fingerprint != self.fingerprint:
+            raise PlanFormatError(
+                f"this plan belongs to another program (plan fingerprint {self.fingerprint}, "
+                f"traced program {graph.fingerprint}): the function, its argument shapes or its "
+                "dtypes differ; re-plan with step.plan(...)"
+            )
+
+
+def _collectives(items: list) -> tuple[Collective, ...]:
+    return tuple(Collective(c["kind"], tuple(c["axes"]), float(c["nbytes"]), float(c["cost"])) for c in items)
+
+
+def _plan_from_dict(d: dict) -> Plan:
+    ops = tuple(
+        OpPlan(
+            **{
+                **o,
+                "input_specs": tuple(o["input_specs"]),
+                "output_specs": tuple(o["output_specs"]),
+                "collectives": _collectives(o["collectives"]),
+            }
+        )
+        for o in d["ops"]
+    )
+    tensors = lambda items: tuple(TensorPlan(t["path"], tuple(t["shape"]), t["dtype"], t["spec"]) for t in items)  # noqa: E731
+    reshardings = tuple(
+        ReshardingPlan(
+            r["producer"], r["consumer"], tuple(r["shape"]), r["dtype"], r["src"], r["dst"], _collectives(r["collectives"])
+        )
+        for r in d["reshardings"]
+    )
+    return Plan(
+        fingerprint=str(d["fingerprint"]),
+        method=str(d["method"]),
+        cluster=dict(d["cluster"]),
+        mesh_shape=tuple(d["mesh_shape"]),
+        device_ids=tuple(d["device_ids"]),
+        ops=ops,
+        inputs=tensors(d["inputs"]),
+        outputs=tensors(d["outputs"]),
+        reshardings=reshardings,
+        pins=tuple((str(k), str(v)) for k, v in d["pins"]),
+        objective=float(d["objective"]),
+        memory_budget=d.get("memory_budget"),
+        solver=dict(d.get("solver", {})),
+        mesh_candidates=tuple((tuple(s), float(t)) for s, t in d.get("mesh_candidates", [])),
+        unplanned_primitives=tuple(d.get("unplanned_primitives", [])),
+        rewrites=tuple(d.get("rewrites", [])),
+    )
+
+
+_HLO_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
+    """Collective instructions in optimised HLO text, by kind (async pairs counted once)."""
+    return dict(Counter(m.group(1) for m in _HLO_COLLECTIVE.finditer(hlo_text)))
+
+
+def _signed_pct(before: float, after: float) -> str:
+    if before == 0:
+        return "n/a"
+    return f"{(after - before) / before * 100:+.1f}%"
+
+
+def make_plan(
+    sg: StrategyGraph,
+    solved: MethodSolution,
+    *,
+    method: str,
+    cluster: Mapping[str, Any],
+    pins: Mapping[str, str],
+    memory_budget: float | None,
+    mesh_candidates: tuple = (),
+) -> Plan:
+    """Turn a solved strategy graph into a Plan (pure data plus the problem for re-solving)."""
+    solution = solved.solution
+    choice = solution.choice
+    in_paths, out_paths = sg.in_paths, sg.out_paths
+    ops = []
+    for i, node in enumerate(sg.nodes):
+        s = node.strategies[choice[i]]
+        ops.append(
+            OpPlan(
+                name=node.name,
+                kind=node.kind,
+                primitive=node.primitive,
+                label=node.label,
+                strategy=s.name,
+                input_specs=tuple(map(str, s.input_specs)),
+                output_specs=tuple(map(str, s.output_specs)),
+                compute_cost=s.compute_cost,
+                communication_cost=s.communication_cost,
+                memory_cost=s.memory_cost,
+                collectives=s.collectives,
+                merged_into=sg.nodes[int(sg.group_of_node[i])].name,
+                num_strategies=len(node.strategies),
+            )
+        )
+    reshardings = []
+    for e in sg.edges:
+        src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+        if e.consumer >= 0:
+            dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
+            consumer = sg.nodes[e.consumer].name
+        else:
+            dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
+            consumer = f"output {out_paths[-1 - e.consumer]}"
+        if src == dst:
+            continue
+        shape, itemsize = sg.var_info[e.var]
+        r = resharding(src, dst, shape, itemsize, sg.mesh)
+        if r.collectives:
+            reshardings.append(
+                ReshardingPlan(sg.nodes[e.producer].name, consumer, shape, sg.var_dtype[e.var], str(src), str(dst), r.collectives)
+            )
+    spec_of_var = {}
+    for vid, (n, out) in sg.node_of_var.items():
+        spec_of_var[vid] = str(sg.nodes[n].strategies[choice[n]].output_specs[out])
+    inputs = tuple(
+        TensorPlan(path, sg.var_info[v][0], sg.var_dtype[v], spec_of_var.get(v, "R" * len(sg.var_info[v][0]) or "-"))
+        for path, v in zip(in_paths, sg.invars)
+    )
+    outputs = []
+    for pos, (path, v) in enumerate(zip(out_paths, sg.outvars)):
+        shape = sg.var_info[v][0]
+        if pos in sg.aliases and sg.aliases[pos] in spec_of_var:
+            spec = spec_of_var[sg.aliases[pos]]
+        else:
+            spec = spec_of_var.get(v, "R" * len(shape) or "-")
+        outputs.append(TensorPlan(path, shape, sg.var_dtype[v], spec))
+    ilp = solution.ilp
+    return Plan(
+        fingerprint=sg.fingerprint,
+        method=method,
+        cluster=dict(cluster),
+        mesh_shape=tuple(sg.mesh.shape),
+        device_ids=tuple(sg.mesh.device_ids),
+        ops=tuple(ops),
+        inputs=inputs,
+        outputs=tuple(outputs),
+        reshardings=tuple(reshardings),
+        pins=tuple(pins.items()),
+        objective=solution.objective,
+        memory_budget=memory_budget,
+        solver={
+            "variables": ilp.num_variables,
+            "constraints": ilp.num_constraints,
+            "build_seconds": ilp.build_seconds + sg.build_seconds,
+            "solve_seconds": ilp.solve_seconds,
+            "reduced_nodes": ilp.reduced_nodes,
+            "ilp_nodes": len(sg.cost_graph.node_costs),
+            "ops": sum(1 for n in sg.nodes if n.kind == "op"),
+            "status": ilp.status,
+        },
+        mesh_candidates=tuple(mesh_candidates),
+        unplanned_primitives=sg.unplanned_primitives,
+        rewrites=solved.rewrites,
+        problem=sg,
+    )
