@@ -180,7 +180,7 @@ class LogicalMesh:
             return 1, 0.0, 0.0
         n = math.prod(self.shape[a] for a in axes)
         alpha = sum(self.alpha[a] for a in axes if self.shape[a] > 1)
-        beta = max(self.beta[a] for a in axes)
+        beta = max((self.beta[a] for a in axes if self.shape[a] > 1), default=0.0)
         return n, alpha, beta
 
     def collective_cost(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:

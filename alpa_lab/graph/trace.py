@@ -49,25 +49,28 @@ class TraceError(ValueError):
 def trace(fn: Callable, *args: Any) -> OpGraph:
     """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them)."""
     try:
-        closed = jax.make_jaxpr(fn)(*args)
+        # return_shape: the output structure from the same trace (eval_shape would trace again)
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     flat_args, in_tree = jax.tree_util.tree_flatten_with_path(args)
-    out_shape = jax.eval_shape(fn, *args)
     flat_out, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     builder = _Builder()
     env: dict[Any, int] = {}
-    for v, const in zip(closed.jaxpr.constvars, closed.consts):
-        env[v] = builder.new_var(v.aval, "const", value=np.asarray(const))
     invars = []
-    for v, (path, _) in zip(closed.jaxpr.invars, flat_args):
-        vid = builder.new_var(v.aval, "input", name=_path_str(path))
-        env[v] = vid
-        invars.append(vid)
-    builder.emit_jaxpr(closed.jaxpr, env, prefix="")
+    try:
+        for v, const in zip(closed.jaxpr.constvars, closed.consts):
+            env[v] = builder.const(v.aval, const)
+        for v, (path, _) in zip(closed.jaxpr.invars, flat_args):
+            vid = builder.new_var(v.aval, "input", name=_path_str(path))
+            env[v] = vid
+            invars.append(vid)
+        builder.emit_jaxpr(closed.jaxpr, env, prefix="")
+    except TraceError as exc:
+        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {exc}") from None
     outvars = tuple(builder.read(env, v) for v in closed.jaxpr.outvars)
     graph = OpGraph(
         vars=tuple(builder.vars),
@@ -95,6 +98,25 @@ class _Builder:
         self.consts: dict[int, Any] = {}
         self.literals: dict[int, Any] = {}
         self.counts: dict[str, int] = {}
+        self._const_ids: dict[int, tuple[Any, int]] = {}
+
+    def const(self, aval: Any, value: Any) -> int:
+        """A var for a closed-over array; the same array object gets the same var.
+
+        Inlining a jit body once per call site would otherwise copy its consts each time.
+        """
+        if isinstance(value, jax.core.Tracer):
+            raise TraceError(
+                f"it closes over a traced value ({type(value).__name__} {aval.str_short()}) that escaped "
+                "its transformation, e.g. a custom_vjp/custom_jvp function closing over an array computed "
+                "inside the step (JAX raises UnexpectedTracerError when running it; use jax.closure_convert)"
+            )
+        seen = self._const_ids.get(id(value))
+        if seen is not None and seen[0] is value:
+            return seen[1]
+        vid = self.new_var(aval, "const", value=np.asarray(value))
+        self._const_ids[id(value)] = (value, vid)  # keeps value alive so its id is not reused
+        return vid
 
     def new_var(self, aval: Any, kind: str, producer: int | None = None, name: str = "", value: Any = None) -> int:
         vid = len(self.vars)
@@ -121,7 +143,7 @@ class _Builder:
                 consts = body.consts if hasattr(body, "consts") else []
                 inner_env: dict[Any, int] = {}
                 for cv, c in zip(inner.constvars, consts):
-                    inner_env[cv] = self.new_var(cv.aval, "const", value=np.asarray(c))
+                    inner_env[cv] = self.const(cv.aval, c)
                 args = [self.read(env, v) for v in eqn.invars]
                 # custom_jvp/vjp calls pass their consts first; the body's invars cover all
                 for iv, a in zip(inner.invars, args[len(args) - len(inner.invars):]):
@@ -168,7 +190,10 @@ def op_flops(prim: str, params: dict, ins: list[Var], outs: list[Var]) -> float:
         rhs = ins[1].shape
         kernel_spatial = math.prod(rhs[d] for d in dn.rhs_spec[2:])
         in_ch = rhs[dn.rhs_spec[1]]
-        return 2.0 * out_elems * kernel_spatial * in_ch
+        # lhs dilation (the input gradient of a strided conv) inserts zeros between inputs:
+        # only 1 / prod(dilation) of the kernel taps meet a real input
+        dilation = math.prod(params.get("lhs_dilation") or (1,))
+        return 2.0 * out_elems * kernel_spatial * in_ch / dilation
     if prim.startswith("reduce_") or prim in ("argmax", "argmin", "cumsum", "cumprod", "cummax"):
         return float(sum(math.prod(v.shape) for v in ins[:1]))
     if prim in ELEMENTWISE_FLOP_FREE:

@@ -7,6 +7,7 @@ shape-only state and batch).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 from alpa_lab.models.bert import BertConfig, bert_config, make_bert
@@ -32,8 +33,21 @@ EXAMPLES: dict[str, Family] = {
     "wide_resnet": Family(WideResNetConfig, make_wide_resnet),
 }
 
+
+
+@functools.cache
+def tiny_example(name: str, seed: int = 0) -> Example:
+    """The default-config example of ``name`` (an ``EXAMPLES`` key or ``"mlp_nnx"``), made once.
+
+    Making an example compiles its initialiser; demos and tests that only need the tiny
+    models share this one (its arrays are immutable, so sharing is safe).
+    """
+    make = make_mlp_nnx if name == "mlp_nnx" else EXAMPLES[name].make
+    return make(seed=seed)
+
+
 __all__ = [
-    "EXAMPLES", "Example", "Family", "TrainState",
+    "EXAMPLES", "Example", "Family", "TrainState", "tiny_example",
     "MLPConfig", "make_mlp", "make_mlp_nnx",
     "GPTConfig", "gpt_config", "make_gpt",
     "BertConfig", "bert_config", "make_bert",

@@ -63,7 +63,9 @@ class Attention(nn.Module):
         head_dim = self.hidden // self.heads
         proj = dict(features=(self.heads, head_dim), dtype=self.dtype, param_dtype=self.dtype)
         q = nn.DenseGeneral(**proj, name="query")(x)
-        k = nn.DenseGeneral(**proj, name="key")(x)
+        # no key bias: softmax ignores it, so its gradient is rounding noise that Adam
+        # would blow up to full-size updates (as in GPT-NeoX/LLaMA-style attention)
+        k = nn.DenseGeneral(**proj, use_bias=False, name="key")(x)
         v = nn.DenseGeneral(**proj, name="value")(x)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
         if self.causal:

@@ -39,8 +39,8 @@ class MoEConfig(GPTConfig):
 
 
 def moe_config(
-    layers: int = 16,
-    hidden: int = 1024,
+    layers: int = 8,
+    hidden: int = 768,
     heads: int = 16,
     experts: int = 16,
     seq_len: int = 1024,
@@ -48,7 +48,10 @@ def moe_config(
     vocab: int = 32000,
     **kwargs: Any,
 ) -> MoEConfig:
-    """A benchmark-sized MoE (GShard-like: expert FFN 4x hidden, 16 experts)."""
+    """A benchmark-sized MoE; the defaults are near the paper's smallest MoE (8 x 768, 16 experts).
+
+    Expert FFNs are 4x hidden and capacity factor 1.25 unless given.
+    """
     kwargs.setdefault("expert_hidden", 4 * hidden)
     kwargs.setdefault("capacity_factor", 1.25)
     return MoEConfig(

@@ -39,15 +39,16 @@ def wide_resnet_config(
     batch: int = 32,
     image_size: int = 224,
     width_factor: int = 2,
-    blocks: int = 4,
+    blocks: int = 2,
     stages: int = 4,
+    base_width: int = 64,
     num_classes: int = 1024,
     **kwargs: Any,
 ) -> WideResNetConfig:
-    """A benchmark-sized Wide-ResNet on ImageNet-sized images."""
+    """A benchmark-sized Wide-ResNet on ImageNet-sized images (ResNet-18-like stages, 2x wide)."""
     return WideResNetConfig(
         batch=batch, image_size=image_size, width_factor=width_factor, blocks=blocks, stages=stages,
-        num_classes=num_classes, **kwargs,
+        base_width=base_width, num_classes=num_classes, **kwargs,
     )
 
 

@@ -33,6 +33,7 @@ import pulp
 BRUTE_FORCE_LIMIT = 2_000_000
 _DECOMPOSE_RTOL = 1e-12  # an edge within this (relative) of a_i + b_j is folded into its nodes
 _OBJECTIVE_SCALE = 1e4  # largest objective coefficient CBC sees; keeps its tolerances relative
+_INCUMBENT_SWEEPS = 20  # coordinate-descent passes for CBC's MIP start
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def solve(
         budget = memory_budget
         for _attempt in range(3):
             model = _build_model(work, core, budget)
-            core_choice, status, solve_seconds_i = _run_cbc(model, time_limit, graph)
+            start = _incumbent(work, core, budget)
+            core_choice, status, solve_seconds_i = _run_cbc(model, start, time_limit, graph)
             build_extra += model.build_seconds
             solve_seconds += solve_seconds_i
             num_vars, num_cons, solver = model.num_variables, model.num_constraints, "cbc"
@@ -423,6 +425,25 @@ def _is_decomposable(r: np.ndarray) -> bool:
     return bool(np.abs(residual).max() <= _DECOMPOSE_RTOL * max(np.abs(r).max(), 1e-300))
 
 
+def _distinct(r: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows (axis 0) or columns (axis 1) of r, and the class of each one.
+
+    Resharding matrices repeat rows and columns (strategies with the same output spec, or
+    wanting the same input spec), so both the dominance test and the ILP work per class.
+    """
+    lines = np.ascontiguousarray(r if axis == 0 else r.T) + 0.0  # + 0.0: -0.0 becomes 0.0
+    classes: dict[bytes, int] = {}
+    representatives: list[int] = []
+    inverse = np.empty(len(lines), dtype=np.int64)
+    for i, line in enumerate(lines):
+        c = classes.setdefault(line.tobytes(), len(representatives))
+        if c == len(representatives):
+            representatives.append(i)
+        inverse[i] = c
+    unique = lines[representatives]
+    return (unique if axis == 0 else unique.T), inverse
+
+
 def _dominated(cost: np.ndarray, memory: np.ndarray, edges: list[np.ndarray], memory_aware: bool) -> np.ndarray:
     """Strategies b for which some kept strategy a is never worse, whatever the neighbours pick.
 
@@ -434,6 +455,7 @@ def _dominated(cost: np.ndarray, memory: np.ndarray, edges: list[np.ndarray], me
         return np.zeros(1, dtype=bool)
     extra = cost[:, None] - cost[None, :]
     for r in edges:
+        r = _distinct(r, axis=1)[0]  # equal columns (neighbour strategies) say the same
         with np.errstate(invalid="ignore"):
             diff = r[:, None, :] - r[None, :, :]  # [a, b, j]
         # where b cannot meet j at all, that j says nothing against a (also inf - inf)
@@ -458,52 +480,66 @@ class _Model:
     """Eq. 1 for the core nodes, as an LP-format file text ready for CBC."""
 
     text: str
+    first_column: Mapping[int, int]  # core node -> its first s-column
     node_of_column: np.ndarray  # s-column g -> core node
     strategy_of_column: np.ndarray  # s-column g -> original strategy index
     num_variables: int
     num_constraints: int
     build_seconds: float
     nodes: tuple[int, ...]
+    has_budget: bool
 
 
 def _build_model(work: _WorkGraph, core: list[int], memory_budget: float | None) -> _Model:
     """Write eq. 1 for the core with numpy and string joins (no per-term PuLP objects).
 
-    Variables: binary one-hot s_v per node; e_uv per edge with one column per finite
-    R[i, j] (an infinite entry forbids the pair, so it gets no column). e is continuous in
-    [0, inf): with s integral, sum_j e[i, j] = s_u[i] and sum_i e[i, j] = s_v[j] already
-    force e to the one-hot outer product s_u s_v^T, hence integral too; the paper's
-    sum(e) = 1 follows from these and is left out.
+    Variables: binary one-hot s_v per node, and per edge a continuous e over pairs of
+    row and column classes of R (strategies whose rows/columns of R are equal share a
+    class, so an 84 x 84 edge between ops whose outputs take 9 specs needs 9 x 9). Rows:
+    sum_J e[I, J] = sum_{i in I} s_u[i] and sum_I e[I, J] = sum_{j in J} s_v[j]. With s
+    integral these force e to the one-hot outer product of the class indicators, so e
+    needs no integrality; the paper's sum(e) = 1 follows from them and is left out. The
+    LP bound equals that of the per-strategy e (spread e[I, J] over a class in proportion
+    to s). An infinite R entry forbids its pair: it gets no e column.
     """
     t0 = time.perf_counter()
-    offset = {v: g for v, g in zip(core, np.cumsum([0] + [len(work.cost[v]) for v in core]))}
-    num_s = int(sum(len(work.cost[v]) for v in core))
-    edges = [(u, w, work.adj[u][w]) for u in core for w in work.adj[u] if u < w]
+    sizes = [len(work.cost[v]) for v in core]
+    first_s = dict(zip(core, np.cumsum([0] + sizes[:-1]).tolist()))
+    num_s = sum(sizes)
+    s_name = np.array([f"s{g}" for g in range(num_s)], dtype=object)
+    edges = []
+    for u in core:
+        for w, r in work.adj[u].items():
+            if u < w:
+                rows_r, row_class = _distinct(r, axis=0)
+                classes_r, col_class = _distinct(rows_r, axis=1)
+                edges.append((u, w, classes_r, row_class, col_class))
     # Shift every cost block to start at 0 and scale the largest to _OBJECTIVE_SCALE, so
     # CBC's absolute tolerances act relative to what matters.
     node_obj = [work.cost[v] - work.cost[v].min() for v in core]
-    edge_obj = [np.where(np.isinf(r), np.inf, r - r[np.isfinite(r)].min()) for _, _, r in edges]
+    edge_obj = [np.where(np.isinf(r), np.inf, r - r[np.isfinite(r)].min()) for _, _, r, _, _ in edges]
     peak = max([float(c.max()) for c in node_obj] + [float(r[np.isfinite(r)].max()) for r in edge_obj] + [0.0])
     scale = _OBJECTIVE_SCALE / peak if peak > 0 else 1.0
 
-    s_name = np.array([f"s{g}" for g in range(num_s)], dtype=object)
     objective: list[str] = []
     rows: list[str] = []
     for v, c in zip(core, node_obj):
-        cols = s_name[offset[v] : offset[v] + len(c)]
-        rows.append(f"o{v}: " + " + ".join(cols) + " = 1")
-        objective += _terms(c * scale, cols)
+        names = s_name[first_s[v] : first_s[v] + len(c)]
+        rows.append(f"o{v}: " + " + ".join(names) + " = 1")
+        objective += _terms(c * scale, names)
     num_e = 0
-    for t, ((u, w, _), r) in enumerate(zip(edges, edge_obj)):
+    for t, ((u, w, _, row_class, col_class), r) in enumerate(zip(edges, edge_obj)):
         finite = np.isfinite(r)
         e_name = np.full(r.shape, "", dtype=object)
         e_name[finite] = [f"x{num_e + i}" for i in range(int(finite.sum()))]
         num_e += int(finite.sum())
         objective += _terms(r[finite] * scale, e_name[finite])
-        for i in range(r.shape[0]):
-            rows.append(f"a{t}_{i}: " + " + ".join(e_name[i][finite[i]]) + f" - s{offset[u] + i} = 0")
-        for j in range(r.shape[1]):
-            rows.append(f"b{t}_{j}: " + " + ".join(e_name[:, j][finite[:, j]]) + f" - s{offset[w] + j} = 0")
+        for side, (node, classes, e_lines) in enumerate(((u, row_class, e_name), (w, col_class, e_name.T))):
+            members = s_name[first_s[node] : first_s[node] + len(classes)]
+            for c, line in enumerate(e_lines):
+                rows.append(
+                    f"{'ab'[side]}{t}_{c}: " + " + ".join(line[line != ""]) + " - " + " - ".join(members[classes == c]) + " = 0"
+                )
     if memory_budget is not None:
         memory = np.concatenate([work.memory[v] for v in core])
         peak_memory = float(memory.max()) if memory.max() > 0 else 1.0
@@ -515,16 +551,16 @@ def _build_model(work: _WorkGraph, core: list[int], memory_budget: float | None)
         + [" ".join(s_name[i : i + 50]) for i in range(0, num_s, 50)]
         + ["End", ""]
     )
-    node_of_column = np.concatenate([np.full(len(work.cost[v]), v) for v in core])
-    strategy_of_column = np.concatenate([work.live[v] for v in core])
     return _Model(
         text=text,
-        node_of_column=node_of_column,
-        strategy_of_column=strategy_of_column,
+        first_column=first_s,
+        node_of_column=np.concatenate([np.full(len(work.cost[v]), v) for v in core]),
+        strategy_of_column=np.concatenate([work.live[v] for v in core]),
         num_variables=num_s + num_e,
         num_constraints=len(rows),
         build_seconds=time.perf_counter() - t0,
         nodes=tuple(core),
+        has_budget=memory_budget is not None,
     )
 
 
@@ -534,21 +570,79 @@ def _terms(coefficients: np.ndarray, names: np.ndarray) -> list[str]:
     return [f"{c!r} {n}" for c, n in zip(coefficients[nonzero].tolist(), names[nonzero])]
 
 
-def _run_cbc(model: _Model, time_limit: float, graph: CostGraph) -> tuple[dict[int, int], str, float]:
-    """Solve with PuLP's bundled CBC binary; return core choices, status and seconds."""
+def _incumbent(work: _WorkGraph, core: list[int], memory_budget: float | None) -> dict[int, int] | None:
+    """A good feasible core choice (live positions) by coordinate descent, as CBC's MIP start.
+
+    With a start CBC can prune from the first node and skip its feasibility pump; under a
+    budget the descent starts from the smallest plan and only takes moves that fit.
+    """
+    if memory_budget is None:
+        position = {v: int(np.argmin(work.cost[v])) for v in core}
+        spare = np.inf
+    else:
+        position = {v: int(np.argmin(work.memory[v])) for v in core}
+        spare = memory_budget - math.fsum(float(work.memory[v][position[v]]) for v in core)
+    for _sweep in range(_INCUMBENT_SWEEPS):
+        moved = False
+        for v in core:
+            total = work.cost[v].copy()
+            for u, r in work.adj[v].items():
+                total += r[:, position[u]]
+            current = position[v]
+            if memory_budget is not None:
+                total[work.memory[v] - work.memory[v][current] > spare] = np.inf
+            best = int(np.argmin(total))
+            if total[best] < total[current]:
+                spare -= work.memory[v][best] - work.memory[v][current]
+                position[v], moved = best, True
+        if not moved:
+            break
+    feasible = all(np.isfinite(r[position[v], position[u]]) for v in core for u, r in work.adj[v].items())
+    return position if feasible else None
+
+
+def _run_cbc(
+    model: _Model, start: Mapping[int, int] | None, time_limit: float, graph: CostGraph
+) -> tuple[dict[int, int], str, float]:
+    """Solve with PuLP's bundled CBC binary; return core choices (original strategy
+    indices), status and seconds. If CBC runs out of time, the MIP start is the answer."""
     t0 = time.perf_counter()
     cbc = pulp.PULP_CBC_CMD(msg=False)
     if not cbc.available():
         raise RuntimeError(f"PuLP's CBC binary is not available at {cbc.path}")
+    start_choice = None
+    if start is not None:
+        start_choice = {v: int(model.strategy_of_column[model.first_column[v] + p]) for v, p in start.items()}
     with tempfile.TemporaryDirectory(prefix="alpa_ilp_") as tmp:
-        lp_path, sol_path = os.path.join(tmp, "model.lp"), os.path.join(tmp, "model.sol")
+        lp_path, sol_path, mst_path = (os.path.join(tmp, f"model.{ext}") for ext in ("lp", "sol", "mst"))
         with open(lp_path, "w") as f:
             f.write(model.text)
         args = [cbc.path, lp_path, "-sec", repr(float(time_limit)), "-timeMode", "elapsed"]
-        # exact optimum: no relative/absolute gap, and accept any strictly better incumbent
+        if start is not None:
+            chosen = {model.first_column[v] + p for v, p in start.items()}
+            with open(mst_path, "w") as f:
+                f.write("Stopped on time - objective value 0\n")
+                f.writelines(f"{g} s{g} {int(g in chosen)} 0\n" for g in range(len(model.node_of_column)))
+            args += ["-mips", mst_path]
+        # Exact optimum: no gap, and any strictly better incumbent counts. The LP relaxation
+        # of eq. 1 is nearly tight on these graphs, so CBC's preprocessing, cuts and
+        # feasibility pump cost more than they save; its dual simplex solves the root
+        # LP far faster than its default there.
         args += ["-ratioGap", "0", "-allowableGap", "0", "-increment", "1e-9"]
+        args += ["-preprocess", "off", "-feas", "off", "-dualSimplex"]
+        if not model.has_budget:
+            args += ["-cuts", "off"]
         args += ["-solve", "-printingOptions", "normal", "-solution", sol_path]
-        run = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            # CBC checks its clock only between phases: enforce the limit from outside too
+            run = subprocess.run(
+                args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                timeout=1.2 * time_limit + 5.0,
+            )
+        except subprocess.TimeoutExpired:
+            if start_choice is None:
+                raise RuntimeError(f"CBC found no solution within {time_limit} s") from None
+            return start_choice, "time_limit", time.perf_counter() - t0
         if run.returncode != 0 or not os.path.exists(sol_path):
             tail = run.stdout.decode(errors="replace")[-2000:]
             raise RuntimeError(f"CBC failed (exit {run.returncode}):\n{tail}")
@@ -561,8 +655,10 @@ def _run_cbc(model: _Model, time_limit: float, graph: CostGraph) -> tuple[dict[i
         )
     if header.startswith("Optimal"):
         status = "optimal"
-    elif header.startswith("Stopped") and "objective value" in header:
+    elif header.startswith("Stopped") and "objective value" in header and "no integer" not in header:
         status = "time_limit"
+    elif start_choice is not None:
+        return start_choice, "time_limit", time.perf_counter() - t0
     else:
         raise RuntimeError(f"CBC found no solution within {time_limit} s: {header!r}")
     choice: dict[int, int] = {}

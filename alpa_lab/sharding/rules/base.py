@@ -77,20 +77,17 @@ def make_strategy(
     outs: Sequence[ShardingSpec],
     ins: Sequence[ShardingSpec],
     *,
+    parallelism: int,
     name: str | None = None,
     collectives: Sequence[Collective] = (),
-    parallelism: int | None = None,
 ) -> Strategy:
     """A priced strategy.
 
-    Compute is split by the mesh axes that split the op's tensors unless the rule says
-    otherwise: a replicated op pays its full compute on every device, which is what lets
-    the ILP see the gain of sharding.
+    ``parallelism`` is how many ways the op's iteration space is split (the product of the
+    mesh axes splitting its loops); a replicated op (1) pays its full compute on every
+    device, which is what lets the ILP see the gain of sharding.
     """
     mesh_shape = ctx.mesh.shape
-    if parallelism is None:
-        used = {a for spec in (*outs, *ins) for a in spec.mesh_axes_used}
-        parallelism = math.prod(mesh_shape[a] for a in used)
     memory = sum(v.nbytes / s.num_shards(mesh_shape) for v, s in zip(ctx.outs, outs))
     return Strategy(
         name=name or default_name(outs, ins),

@@ -5,11 +5,15 @@ output channel ``o`` are free loops, input channel ``c`` is a reduced one (split
 output is a partial sum, all-reduced). Spatial dims stay replicated: splitting them needs
 halo exchange, which these strategies do not model.
 
-Grouped convolutions tie channels to groups (``feature_group_count``) and the weight
-gradient of one ties the batch to the output channels (``batch_group_count``), so channels
-are only split when both counts are 1, and the batch only when ``batch_group_count`` is 1.
-The weight-gradient conv of a plain conv reuses the same rule: its "input channel" loop is
-the data batch, so the rule gives data parallelism's gradient all-reduce.
+The weight-gradient conv reuses the same rule: its "input channel" loop is the data batch,
+so the rule gives data parallelism's gradient all-reduce.
+
+Grouped convolutions (``feature_group_count`` or ``batch_group_count`` > 1) are planned
+replicated. In principle whole groups and the batch could be split, but XLA (jax 0.10,
+CPU, Shardy and GSPMD alike) all-gathers the operands of any sharded grouped conv, and for
+the weight gradient of one (``batch_group_count`` > 1) with its contracting dim split over
+one axis of a 2x2 mesh it even computes wrong results; a strategy claiming either would
+hide that communication from the cost model or be wrong (tests/test_rules.py pins this).
 """
 
 from __future__ import annotations
@@ -31,16 +35,15 @@ def conv_specs(ctx: RuleContext) -> tuple[Sequence[int], Sequence[int], Sequence
 
 
 def conv_loops(ctx: RuleContext) -> list[Loop]:
+    """Batch, output channel, input channel (reduced); none for grouped convs (module doc)."""
+    if ctx.params.get("feature_group_count", 1) != 1 or ctx.params.get("batch_group_count", 1) != 1:
+        return []
     lhs, rhs, out = conv_specs(ctx)
-    groups = ctx.params.get("feature_group_count", 1)
-    batch_groups = ctx.params.get("batch_group_count", 1)
-    loops = []
-    if batch_groups == 1:
-        loops.append(Loop(operands=((0, lhs[0]),), results=((0, out[0]),)))
-    if groups == 1 and batch_groups == 1:
-        loops.append(Loop(operands=((1, rhs[0]),), results=((0, out[1]),)))
-        loops.append(Loop(operands=((0, lhs[1]), (1, rhs[1])), reduced=True))
-    return loops
+    return [
+        Loop(operands=((0, lhs[0]),), results=((0, out[0]),)),
+        Loop(operands=((1, rhs[0]),), results=((0, out[1]),)),
+        Loop(operands=((0, lhs[1]), (1, rhs[1])), reduced=True),
+    ]
 
 
 def conv_name(outs: Sequence[ShardingSpec], ins: Sequence[ShardingSpec]) -> str:

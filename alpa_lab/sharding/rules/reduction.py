@@ -4,13 +4,13 @@ A reduction may split any operand dim. A split *reduced* dim leaves each device 
 result, combined by an all-reduce of the result tile over the splitting mesh axes (for sums
 also a reduce-scatter onto an unsplit result dim: the gradient reduction of data
 parallelism, sharded as in ZeRO). Ops that need the whole of an axis at once (argmax's
-index, a scan, a sort, top-k, a pooling window) keep that axis replicated and split the
-others freely.
+index, a scan, a sort, a pooling window) keep that axis replicated and split the others
+freely; top_k is planned replicated (see ``top_k_rule``).
 """
 
 from __future__ import annotations
 
-from alpa_lab.sharding.rules.base import Loop, RuleContext, loop_strategies, normalize_axis
+from alpa_lab.sharding.rules.base import Loop, RuleContext, loop_strategies, normalize_axis, replicated_strategy
 from alpa_lab.sharding.rules.layout import all_operands, passthrough
 from alpa_lab.sharding.strategy import Strategy
 
@@ -45,10 +45,18 @@ def arg_reduce_rule(ctx: RuleContext) -> list[Strategy]:
 
 
 def along_axis_rule(ctx: RuleContext) -> list[Strategy]:
-    """Scans, sort and top_k: every dim but the one they run along may be split."""
+    """Scans and sort: every dim but the one they run along may be split."""
     params = ctx.params
     axis = params.get("axis", params.get("dimension", -1))
     return passthrough(ctx, lambda d: all_operands(ctx, d), skip=(normalize_axis(axis, ctx.ins[0].rank),))
+
+
+def top_k_rule(ctx: RuleContext) -> list[Strategy]:
+    """Replicated only. Splitting the batch dims would be correct, but XLA lowers top_k to a
+    ``TopK`` custom call that its partitioner does not split: it all-gathers the operand
+    whatever the spec (jax 0.10, CPU; tests/test_rules.py pins this), so a "free" split
+    strategy would hide that all-gather from the cost model."""
+    return [replicated_strategy(ctx)]
 
 
 def window_is_trivial(params: dict, d: int) -> bool:
@@ -72,6 +80,7 @@ RULES = {
     **{prim: reduce_rule for prim in OTHER_REDUCTIONS},
     "argmax": arg_reduce_rule,
     "argmin": arg_reduce_rule,
-    **{prim: along_axis_rule for prim in SCANS + ("sort", "top_k")},
+    **{prim: along_axis_rule for prim in SCANS + ("sort",)},
+    "top_k": top_k_rule,
     **{prim: windowed_rule for prim in WINDOWED},
 }

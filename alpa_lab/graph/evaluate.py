@@ -1,0 +1,49 @@
+"""Re-run an ``OpGraph`` op by op.
+
+The graph keeps each op's JAX primitive and parameters, so binding them in program order
+recomputes the traced function. That is how the runtime executes a plan (``on_output``
+puts a sharding constraint on each op's results) and how the tests show that tracing, with
+its inlining of jit/custom_jvp/custom_vjp/checkpoint, kept the program's meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+
+from alpa_lab.graph.opgraph import Op, OpGraph
+
+OutputHook = Callable[[Op, list[Any]], list[Any]]
+"""(op, its output values) -> the values the rest of the program sees."""
+
+
+def evaluate(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook | None = None) -> list[Any]:
+    """The graph's flat outputs for ``flat_args`` (its flat inputs, in ``graph.invars`` order).
+
+    Works eagerly and under ``jax.jit`` (values may be tracers).
+    """
+    if len(flat_args) != len(graph.invars):
+        raise ValueError(f"the graph takes {len(graph.invars)} flat arguments, got {len(flat_args)}")
+    env: dict[int, Any] = dict(graph.consts)
+    env.update(graph.literals)
+    env.update(zip(graph.invars, flat_args))
+    for op in graph.ops:
+        out = op.bind.bind(*(env[i] for i in op.inputs), **op.params)
+        outs = list(out) if op.bind.multiple_results else [out]
+        if on_output is not None:
+            outs = list(on_output(op, outs))
+        env.update(zip(op.outputs, outs))
+    return [env[v] for v in graph.outvars]
+
+
+def as_function(graph: OpGraph, on_output: OutputHook | None = None) -> Callable[..., Any]:
+    """The graph as a function over the traced function's (pytree) arguments and results."""
+
+    def run(*args: Any) -> Any:
+        flat, tree = jax.tree_util.tree_flatten(args)
+        if tree != graph.in_tree:
+            raise ValueError(f"arguments do not match the traced structure:\n{tree}\nvs\n{graph.in_tree}")
+        return jax.tree_util.tree_unflatten(graph.out_tree, evaluate(graph, flat, on_output))
+
+    return run
