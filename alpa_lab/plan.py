@@ -438,12 +438,31 @@ def _plan_from_dict(d: dict) -> Plan:
     )
 
 
-_HLO_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_HLO_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 
 
 def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
-    """Collective instructions in optimised HLO text, by kind (async pairs counted once)."""
-    return dict(Counter(m.group(1) for m in _HLO_COLLECTIVE.finditer(hlo_text)))
+    """Collectives in optimised HLO text, by kind, counted per operand.
+
+    XLA's combiners merge independent collectives of one kind into one instruction with
+    several operands (one tuple all-reduce for all gradients); counting operands undoes
+    that, so the figure is comparable with the plan's. ``-done`` halves of async pairs are
+    not matched.
+    """
+    count: Counter = Counter()
+    for m in _HLO_COLLECTIVE.finditer(hlo_text):
+        depth, operands, i = 1, 1, m.end()
+        while i < len(hlo_text) and depth:
+            ch = hlo_text[i]
+            if ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth -= 1
+            elif ch == "," and depth == 1:
+                operands += 1
+            i += 1
+        count[m.group(1)] += operands
+    return dict(count)
 
 
 def _signed_pct(before: float, after: float) -> str:
@@ -487,6 +506,7 @@ def make_plan(
             )
         )
     reshardings = []
+    seen = set()
     for e in sg.edges:
         src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
         if e.consumer >= 0:
@@ -495,8 +515,9 @@ def make_plan(
         else:
             dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
             consumer = f"output {out_paths[-1 - e.consumer]}"
-        if src == dst:
-            continue
+        if src == dst or (e.var, dst) in seen:
+            continue  # XLA reshards a tensor once per target spec, however many consumers
+        seen.add((e.var, dst))
         shape, itemsize = sg.var_info[e.var]
         r = resharding(src, dst, shape, itemsize, sg.mesh)
         if r.collectives:
