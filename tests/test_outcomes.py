@@ -53,7 +53,10 @@ def test_narrow_batch_wide_hidden_mlp_becomes_megatron():
 def test_moe_layer_shards_experts_with_all_to_all(mesh_shape):
     from alpa_lab.models import MoEConfig, make_moe
 
-    ex = make_moe(MoEConfig())
+    # experts large enough that syncing their gradients (data parallel) costs more than
+    # moving tokens to them (the regime MoE layers are built for); shapes only, no arrays
+    config = MoEConfig(batch=32, seq_len=64, hidden=128, experts=8, expert_hidden=2048, layers=1, vocab=128)
+    ex = make_moe(config, abstract=True)
     plan = plan_for(ex, mesh_shape)
     experts = ex.config.experts
     # the expert FFN weights [E, M, H] are split along the expert axis

@@ -19,12 +19,13 @@ pair. NaN and -inf are errors.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ import pulp
 BRUTE_FORCE_LIMIT = 2_000_000
 _DECOMPOSE_RTOL = 1e-12  # an edge within this (relative) of a_i + b_j is folded into its nodes
 _OBJECTIVE_SCALE = 1e4  # largest objective coefficient CBC sees; keeps its tolerances relative
-_INCUMBENT_SWEEPS = 20  # coordinate-descent passes for CBC's MIP start
+_INCUMBENT_SWEEPS = 20  # coordinate-descent passes of the fallback when CBC runs out of time
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ def solve(
         budget = memory_budget
         for _attempt in range(3):
             model = _build_model(work, core, budget)
-            start = _incumbent(work, core, budget)
-            core_choice, status, solve_seconds_i = _run_cbc(model, start, time_limit, graph)
+            fallback = functools.partial(_incumbent, work, core, budget)
+            core_choice, status, solve_seconds_i = _run_cbc(model, fallback, time_limit, graph)
             build_extra += model.build_seconds
             solve_seconds += solve_seconds_i
             num_vars, num_cons, solver = model.num_variables, model.num_constraints, "cbc"
@@ -287,6 +288,7 @@ class _WorkGraph:
         self.eliminated: list[_Elimination] = []
         self.alive = np.ones(graph.num_nodes, dtype=bool)
         self.dirty: list[int] = []  # nodes whose neighbourhood changed, to revisit
+        self._penalty_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for u, v, r in graph.edges:
             self.add_edge(u, v, np.asarray(r, dtype=float)[np.ix_(self.live[u], self.live[v])])
 
@@ -348,25 +350,40 @@ class _WorkGraph:
     # --- the reductions
 
     def reduce(self, *, eliminate: bool, memory_aware: bool) -> None:
-        """Prune dominated strategies and (if ``eliminate``) nodes of degree <= 2, to a fixpoint."""
-        stack = self.core_nodes()[::-1]
-        in_stack = set(stack)
-        while stack:
-            v = stack.pop()
-            in_stack.discard(v)
-            if not self.alive[v]:
-                continue
-            self.dirty = []
-            self.restrict(v, ~_dominated(self.cost[v], self.memory[v], list(self.adj[v].values()), memory_aware))
-            if eliminate and len(self.adj[v]) <= 2:
-                self.eliminate(v)
-            for u in self.dirty:
-                if u != v and self.alive[u] and u not in in_stack:
-                    stack.append(u)
-                    in_stack.add(u)
-            if self.alive[v] and v in self.dirty and v not in in_stack:
-                stack.append(v)
-                in_stack.add(v)
+        """Eliminate nodes of degree <= 2 (if ``eliminate``) and prune dominated strategies,
+        to a fixpoint. Eliminations cascade first; dominance tests, which cost the degree of
+        the node, wait for a quiet moment so that a hub is tested once per batch of changes."""
+        to_test = set(self.core_nodes())
+        to_eliminate = [v for v in self.core_nodes() if len(self.adj[v]) <= 2] if eliminate else []
+        while to_eliminate or to_test:
+            while to_eliminate:
+                v = to_eliminate.pop()
+                if self.alive[v] and len(self.adj[v]) <= 2:
+                    self.dirty = []
+                    self.eliminate(v)
+                    to_test.update(self.dirty)
+                    to_eliminate += [u for u in self.dirty if self.alive[u] and len(self.adj[u]) <= 2]
+            for v in sorted(to_test):
+                to_test.discard(v)
+                if self.alive[v]:
+                    self.dirty = []
+                    self.restrict(v, ~_dominated(self.cost[v], self.memory[v], self._penalties(v), memory_aware))
+                    to_test.update(u for u in self.dirty if u != v)
+                    if eliminate:
+                        to_eliminate += [u for u in self.dirty if self.alive[u] and len(self.adj[u]) <= 2]
+                if to_eliminate:
+                    break
+            to_test = {v for v in to_test if self.alive[v]}
+
+    def _penalties(self, v: int) -> list[np.ndarray]:
+        """Per edge of v, the switch penalties of ``_switch_penalty``, cached per matrix."""
+        penalties = []
+        for u, r in self.adj[v].items():
+            cached = self._penalty_cache.get((v, u))
+            if cached is None or cached[0] is not r:
+                cached = self._penalty_cache[(v, u)] = (r, _switch_penalty(r))
+            penalties.append(cached[1])
+        return penalties
 
     def eliminate(self, v: int) -> None:
         """Remove v by minimising over its strategies for each choice of its <= 2 neighbours."""
@@ -444,23 +461,30 @@ def _distinct(r: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return (unique if axis == 0 else unique.T), inverse
 
 
-def _dominated(cost: np.ndarray, memory: np.ndarray, edges: list[np.ndarray], memory_aware: bool) -> np.ndarray:
+def _switch_penalty(r: np.ndarray) -> np.ndarray:
+    """[a, b]: the most that switching from strategy b to a can cost on this edge,
+    max_j (R[a, j] - R[b, j]), over the neighbour's strategies j that b can meet."""
+    r = _distinct(r, axis=1)[0]  # equal columns (neighbour strategies) say the same
+    with np.errstate(invalid="ignore"):
+        diff = r[:, None, :] - r[None, :, :]  # [a, b, j]
+    # where b cannot meet j at all, that j says nothing against a (also inf - inf)
+    diff = np.where(np.isinf(r)[None, :, :], -np.inf, diff)
+    return diff.max(axis=2)
+
+
+def _dominated(cost: np.ndarray, memory: np.ndarray, penalties: list[np.ndarray], memory_aware: bool) -> np.ndarray:
     """Strategies b for which some kept strategy a is never worse, whatever the neighbours pick.
 
-    extra[a, b] = c[a] - c[b] + sum_edges max_j (R[a, j] - R[b, j]) <= 0 proves it; the
-    bound is subadditive, so dropping one at a time (never both of a tie) stays exact.
+    extra[a, b] = c[a] - c[b] + sum_edges penalty[a, b] <= 0 proves it; the bound is
+    subadditive, so dropping one at a time (never both of a tie) stays exact. Under a
+    memory budget a must also use no more memory than b.
     """
     k = len(cost)
     if k == 1:
         return np.zeros(1, dtype=bool)
     extra = cost[:, None] - cost[None, :]
-    for r in edges:
-        r = _distinct(r, axis=1)[0]  # equal columns (neighbour strategies) say the same
-        with np.errstate(invalid="ignore"):
-            diff = r[:, None, :] - r[None, :, :]  # [a, b, j]
-        # where b cannot meet j at all, that j says nothing against a (also inf - inf)
-        diff = np.where(np.isinf(r)[None, :, :], -np.inf, diff)
-        extra = extra + diff.max(axis=2)
+    for penalty in penalties:
+        extra = extra + penalty
     if memory_aware:
         extra[memory[:, None] > memory[None, :]] = np.inf
     np.fill_diagonal(extra, np.inf)
@@ -480,7 +504,6 @@ class _Model:
     """Eq. 1 for the core nodes, as an LP-format file text ready for CBC."""
 
     text: str
-    first_column: Mapping[int, int]  # core node -> its first s-column
     node_of_column: np.ndarray  # s-column g -> core node
     strategy_of_column: np.ndarray  # s-column g -> original strategy index
     num_variables: int
@@ -553,7 +576,6 @@ def _build_model(work: _WorkGraph, core: list[int], memory_budget: float | None)
     )
     return _Model(
         text=text,
-        first_column=first_s,
         node_of_column=np.concatenate([np.full(len(work.cost[v]), v) for v in core]),
         strategy_of_column=np.concatenate([work.live[v] for v in core]),
         num_variables=num_s + num_e,
@@ -571,11 +593,9 @@ def _terms(coefficients: np.ndarray, names: np.ndarray) -> list[str]:
 
 
 def _incumbent(work: _WorkGraph, core: list[int], memory_budget: float | None) -> dict[int, int] | None:
-    """A good feasible core choice (live positions) by coordinate descent, as CBC's MIP start.
-
-    With a start CBC can prune from the first node and skip its feasibility pump; under a
-    budget the descent starts from the smallest plan and only takes moves that fit.
-    """
+    """A feasible core choice (original strategy indices) by coordinate descent: the answer
+    when CBC runs out of time. Under a budget it starts from the smallest plan and only
+    takes moves that fit."""
     if memory_budget is None:
         position = {v: int(np.argmin(work.cost[v])) for v in core}
         spare = np.inf
@@ -598,36 +618,37 @@ def _incumbent(work: _WorkGraph, core: list[int], memory_budget: float | None) -
         if not moved:
             break
     feasible = all(np.isfinite(r[position[v], position[u]]) for v in core for u, r in work.adj[v].items())
-    return position if feasible else None
+    if not feasible:
+        return None
+    return {v: int(work.live[v][p]) for v, p in position.items()}
+
+
+def _fall_back(fallback: Callable[[], dict[int, int] | None], time_limit: float, why: str) -> dict[int, int]:
+    choice = fallback()
+    if choice is None:
+        raise RuntimeError(f"CBC found no solution within {time_limit} s ({why}), nor did local search")
+    return choice
 
 
 def _run_cbc(
-    model: _Model, start: Mapping[int, int] | None, time_limit: float, graph: CostGraph
+    model: _Model, fallback: Callable[[], dict[int, int] | None], time_limit: float, graph: CostGraph
 ) -> tuple[dict[int, int], str, float]:
     """Solve with PuLP's bundled CBC binary; return core choices (original strategy
-    indices), status and seconds. If CBC runs out of time, the MIP start is the answer."""
+    indices), status and seconds. If CBC runs out of time, ``fallback()`` is the answer."""
     t0 = time.perf_counter()
-    cbc = pulp.PULP_CBC_CMD(msg=False)
-    if not cbc.available():
-        raise RuntimeError(f"PuLP's CBC binary is not available at {cbc.path}")
-    start_choice = None
-    if start is not None:
-        start_choice = {v: int(model.strategy_of_column[model.first_column[v] + p]) for v, p in start.items()}
+    cbc_path = pulp.apis.coin_api.pulp_cbc_path  # the binary bundled with PuLP
+    if not os.access(cbc_path, os.X_OK):
+        raise RuntimeError(f"PuLP's bundled CBC binary is not executable at {cbc_path}")
     with tempfile.TemporaryDirectory(prefix="alpa_ilp_") as tmp:
-        lp_path, sol_path, mst_path = (os.path.join(tmp, f"model.{ext}") for ext in ("lp", "sol", "mst"))
+        lp_path, sol_path = os.path.join(tmp, "model.lp"), os.path.join(tmp, "model.sol")
         with open(lp_path, "w") as f:
             f.write(model.text)
-        args = [cbc.path, lp_path, "-sec", repr(float(time_limit)), "-timeMode", "elapsed"]
-        if start is not None:
-            chosen = {model.first_column[v] + p for v, p in start.items()}
-            with open(mst_path, "w") as f:
-                f.write("Stopped on time - objective value 0\n")
-                f.writelines(f"{g} s{g} {int(g in chosen)} 0\n" for g in range(len(model.node_of_column)))
-            args += ["-mips", mst_path]
+        args = [cbc_path, lp_path, "-sec", repr(float(time_limit)), "-timeMode", "elapsed"]
         # Exact optimum: no gap, and any strictly better incumbent counts. The LP relaxation
-        # of eq. 1 is nearly tight on these graphs, so CBC's preprocessing, cuts and
-        # feasibility pump cost more than they save; its dual simplex solves the root
-        # LP far faster than its default there.
+        # of eq. 1 is tight or nearly so on these graphs, so CBC's preprocessing, cuts and
+        # feasibility pump cost more than they save; its dual simplex solves the root LP
+        # several times faster than its default. No MIP start: CBC re-solves the LP to
+        # complete one, which cost more than the whole search on a 24-layer GPT.
         args += ["-ratioGap", "0", "-allowableGap", "0", "-increment", "1e-9"]
         args += ["-preprocess", "off", "-feas", "off", "-dualSimplex"]
         if not model.has_budget:
@@ -640,9 +661,7 @@ def _run_cbc(
                 timeout=1.2 * time_limit + 5.0,
             )
         except subprocess.TimeoutExpired:
-            if start_choice is None:
-                raise RuntimeError(f"CBC found no solution within {time_limit} s") from None
-            return start_choice, "time_limit", time.perf_counter() - t0
+            return _fall_back(fallback, time_limit, "killed"), "time_limit", time.perf_counter() - t0
         if run.returncode != 0 or not os.path.exists(sol_path):
             tail = run.stdout.decode(errors="replace")[-2000:]
             raise RuntimeError(f"CBC failed (exit {run.returncode}):\n{tail}")
@@ -657,10 +676,8 @@ def _run_cbc(
         status = "optimal"
     elif header.startswith("Stopped") and "objective value" in header and "no integer" not in header:
         status = "time_limit"
-    elif start_choice is not None:
-        return start_choice, "time_limit", time.perf_counter() - t0
     else:
-        raise RuntimeError(f"CBC found no solution within {time_limit} s: {header!r}")
+        return _fall_back(fallback, time_limit, header), "time_limit", time.perf_counter() - t0
     choice: dict[int, int] = {}
     for line in lines[1:]:
         fields = line.split()
@@ -695,6 +712,30 @@ _LAYER_OPS: tuple[tuple[str, tuple[int, ...], str], ...] = (
 )
 
 
+_DIM_SHARDINGS = {"R": (), "S0": (0,), "S1": (1,), "S01": (0, 1)}  # mesh axes a tensor dim splits over
+
+
+def _spec_prices(shape: tuple[int, int]) -> tuple[list[tuple[str, str]], np.ndarray]:
+    """Specs of a 2-D tensor on a 2-D mesh (each dim: R, S0, S1 or S01; no mesh axis twice)
+    and seconds per byte to reshard between them: slicing is free, gathering a sharded dim
+    or moving it to other axes costs like an all-gather / all-to-all (Alpa, Table 2)."""
+    axes = _DIM_SHARDINGS
+    specs = [(a, b) for a in axes for b in axes if not set(axes[a]) & set(axes[b])]
+    price = np.zeros((len(specs), len(specs)))
+    for i, src in enumerate(specs):
+        for j, dst in enumerate(specs):
+            for s_dim, d_dim in zip(src, dst):
+                if s_dim != d_dim and axes[s_dim] and not set(axes[s_dim]) <= set(axes[d_dim]):
+                    devices = _devices(shape, (s_dim,))
+                    price[i, j] += 1e-5 + 1e-10 * (devices - 1) / devices
+    return specs, price
+
+
+def _devices(shape: tuple[int, int], spec: Sequence[str]) -> int:
+    """Devices a spec splits a tensor over."""
+    return math.prod(shape[a] for dim in spec for a in _DIM_SHARDINGS[dim])
+
+
 def synthetic_gpt_graph(
     num_nodes: int, num_strategies: int | tuple[int, int] = 16, seed: int = 0
 ) -> CostGraph:
@@ -703,20 +744,19 @@ def synthetic_gpt_graph(
     Per layer (40 nodes): a forward chain with residual skips and attention fan-out, the
     mirrored backward chain, each forward output saved for the backward op that reads it,
     and per weight: the parameter (read forward and backward), its gradient, its optimizer
-    state and its update. Strategies are sharding specs (a (lo, hi) pair draws k per node);
-    resharding costs bytes x a fixed spec-to-spec price, so edges share structure as in
-    real graphs. About ``num_nodes`` nodes (whole layers).
+    state and its update. A strategy is an output spec of a 2-D tensor on a 2 x 4 mesh
+    (9 specs; more strategies repeat specs with other costs, as matmul variants do), an
+    operand wants a spec derived from it (transposed for weights), and resharding prices
+    follow ``_spec_prices``. A (lo, hi) pair draws k per node. About ``num_nodes`` nodes.
     """
     rng = np.random.default_rng(seed)
     lo, hi = (num_strategies, num_strategies) if isinstance(num_strategies, int) else num_strategies
-    num_specs = hi
-    price = rng.uniform(0.2, 2.0, (num_specs, num_specs)) * 1e-10 + 1e-5  # s/byte + latency
-    np.fill_diagonal(price, 0.0)
-    speedup = rng.choice([1.0, 2.0, 4.0, 8.0], num_specs)  # devices a spec splits the work over
-    partial = rng.random(num_specs) < 0.3  # specs that leave a partial sum to all-reduce
-    operand_perm = [np.arange(num_specs)] + [rng.permutation(num_specs) for _ in range(2)]
+    mesh_shape = (2, 4)
+    specs, price = _spec_prices(mesh_shape)
+    transposed = np.array([specs.index((b, a)) for a, b in specs])
+    shards = np.array([_devices(mesh_shape, spec) for spec in specs])
 
-    specs: list[np.ndarray] = []
+    out_spec: list[np.ndarray] = []
     costs: list[np.ndarray] = []
     memory: list[np.ndarray] = []
     sizes: list[float] = []
@@ -724,37 +764,37 @@ def synthetic_gpt_graph(
 
     def node(flops: float, size: float) -> int:
         k = int(rng.integers(lo, hi + 1))
-        spec = np.sort(rng.choice(num_specs, k, replace=False))
-        specs.append(spec)
+        spec = np.arange(k) % len(specs)
+        partial = np.arange(k) >= len(specs)  # variants that leave a partial sum to all-reduce
+        out_spec.append(spec)
         sizes.append(size)
-        costs.append(flops / 1e14 / speedup[spec] + partial[spec] * size * 2e-10)
-        memory.append(np.round(size / speedup[spec]))
-        return len(specs) - 1
+        costs.append(flops / 1e14 / shards[spec] + partial * (1e-5 + size * 2e-10) + rng.uniform(0, 1e-7, k))
+        memory.append(np.round(size / shards[spec]))
+        return len(out_spec) - 1
 
-    def edge(producer: int, consumer: int, operand: int) -> None:
-        wanted = operand_perm[operand % len(operand_perm)][specs[consumer]]
-        edges.append((producer, consumer, sizes[producer] * price[np.ix_(specs[producer], wanted)]))
+    def edge(producer: int, consumer: int, weight_operand: bool = False) -> None:
+        wanted = transposed[out_spec[consumer]] if weight_operand else out_spec[consumer]
+        edges.append((producer, consumer, sizes[producer] * price[np.ix_(out_spec[producer], wanted)]))
 
     layer_input = node(0.0, 5e7)
     for _layer in range(max(1, (num_nodes - 1) // 40)):
         fwd = [node(rng.uniform(1e9, 1e11), rng.uniform(1e7, 1e8)) for _ in _LAYER_OPS]
         bwd = [node(rng.uniform(1e9, 2e11), rng.uniform(1e7, 1e8)) for _ in _LAYER_OPS]
         out_of = lambda i: fwd[i] if i >= 0 else layer_input  # noqa: E731
-        grad_of = lambda i: bwd[i] if i >= 0 else None  # noqa: E731
         for c, (_name, reads, weight) in enumerate(_LAYER_OPS):
-            for operand, p in enumerate(reads):
-                edge(out_of(p), fwd[c], operand)  # forward dataflow
-                edge(out_of(p), bwd[c], operand)  # saved activation
-                if grad_of(p) is not None:
-                    edge(bwd[c], bwd[p], operand)  # gradient flows back
+            for p in reads:
+                edge(out_of(p), fwd[c])  # forward dataflow
+                edge(out_of(p), bwd[c])  # saved activation
+                if p >= 0:
+                    edge(bwd[c], bwd[p])  # gradient flows back
             if weight:
                 w = node(0.0, rng.uniform(1e7, 5e7))
                 grad, state, update = (node(rng.uniform(1e9, 1e11), sizes[w]) for _ in range(3))
-                edge(w, fwd[c], 1)
-                edge(w, bwd[c], 1)
-                edge(out_of(reads[0]), grad, 0)
-                edge(bwd[c], grad, 1)
+                edge(w, fwd[c], weight_operand=True)
+                edge(w, bwd[c], weight_operand=True)
+                edge(out_of(reads[0]), grad)
+                edge(bwd[c], grad)
                 for source in (w, grad, state):
-                    edge(source, update, 0)
+                    edge(source, update)
         layer_input = fwd[-1]
     return CostGraph(tuple(costs), tuple(memory), tuple(edges), tuple(f"n{v}" for v in range(len(costs))))

@@ -15,6 +15,7 @@ predicted costs of different methods are comparable:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
@@ -111,6 +112,19 @@ def _widen(spec: ShardingSpec, axes: tuple[int, ...], specs: list[ShardingSpec])
     return None
 
 
+def _bandwidth_bound(sg: StrategyGraph, vid: int, spec: ShardingSpec, wider: ShardingSpec) -> bool:
+    """Whether gathering the tensor back costs more in bandwidth than in latency.
+
+    Only then is reduce-scatter + all-gather no slower than one all-reduce; for small
+    tensors the extra collective's latency would dominate, so they are left alone.
+    """
+    shape, itemsize = sg.var_info[vid]
+    nbytes = math.prod(shape) * itemsize / spec.num_shards(sg.mesh.shape)
+    new_axes = tuple(a for a in wider.mesh_axes_used if a not in spec.mesh_axes_used)
+    n, alpha, beta = sg.mesh.group(new_axes)
+    return beta * (n - 1) / n * nbytes >= alpha
+
+
 def shard_weight_update(
     sg: StrategyGraph, solution: IntraOpSolution, pins: Mapping[str, str], memory_budget: float | None
 ) -> MethodSolution:
@@ -137,7 +151,7 @@ def shard_weight_update(
         if kind != "optimizer_state" or node.name in pins:
             continue
         wider = _widen(chosen.output_specs[0], axes, [s.output_specs[0] for s in node.strategies])
-        if wider is not None:
+        if wider is not None and _bandwidth_bound(sg, vid, chosen.output_specs[0], wider):
             restrictions[node.name] = (str(wider),)
             rewrites.append(f"{node.name}: {chosen.name} -> {wider}")
     if not restrictions:

@@ -1,0 +1,188 @@
+"""The intra-op ILP solver against brute force, its reductions, and its error messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from alpa_lab.passes.ilp import (
+    CostGraph,
+    InfeasibleError,
+    brute_force,
+    evaluate,
+    memory_of,
+    solve,
+    synthetic_gpt_graph,
+)
+
+
+def random_graph(rng: np.random.Generator) -> CostGraph:
+    """2-7 nodes, 1-4 strategies, random edges: parallel ones, cycles, some constant or
+    forbidden (infinite) entries; memory in whole bytes so budgets compare exactly."""
+    n = int(rng.integers(2, 8))
+    ks = rng.integers(1, 5, size=n)
+    costs = tuple(rng.random(k) for k in ks)
+    memory = tuple(rng.integers(1, 100, size=k).astype(float) for k in ks)
+    edges = []
+    for _ in range(int(rng.integers(0, 2 * n + 3))):
+        u, v = (int(x) for x in rng.choice(n, 2, replace=False))
+        r = rng.random((ks[u], ks[v]))
+        if rng.random() < 0.1:
+            r[:] = 0.25
+        if rng.random() < 0.1:
+            r[rng.random(r.shape) < 0.3] = np.inf
+        edges.append((u, v, r))
+    return CostGraph(costs, memory, tuple(edges))
+
+
+def random_allowed(rng: np.random.Generator, graph: CostGraph) -> dict[int, set[int]]:
+    nodes = rng.choice(graph.num_nodes, size=int(rng.integers(1, graph.num_nodes + 1)), replace=False)
+    return {
+        int(v): {int(i) for i in rng.choice(len(graph.node_costs[v]), size=int(rng.integers(1, len(graph.node_costs[v]) + 1)), replace=False)}
+        for v in nodes
+    }
+
+
+def outcome(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except InfeasibleError:
+        return None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_matches_brute_force_on_random_graphs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        graph = random_graph(rng)
+        allowed = random_allowed(rng, graph) if rng.random() < 0.5 else None
+        floor = sum(float(m.min()) for m in graph.node_memory)
+        budget = float(rng.integers(int(floor * 0.9), int(floor * 1.6) + 2)) if rng.random() < 0.5 else None
+        expected = outcome(brute_force, graph, allowed=allowed, memory_budget=budget)
+        for reduce in (True, False):
+            got = outcome(solve, graph, allowed=allowed, memory_budget=budget, reduce=reduce)
+            assert (got is None) == (expected is None), (seed, reduce, expected, got)
+            if got is None:
+                continue
+            assert got.objective == pytest.approx(expected[1], rel=1e-9, abs=1e-12)
+            assert got.objective == evaluate(graph, got.choice)
+            for v, s in (allowed or {}).items():
+                assert got.choice[v] in s
+            if budget is not None:
+                assert memory_of(graph, got.choice) <= budget
+
+
+def chain(n: int, k: int, rng: np.random.Generator) -> CostGraph:
+    costs = tuple(rng.random(k) for _ in range(n))
+    edges = tuple((v, v + 1, rng.random((k, k))) for v in range(n - 1))
+    return CostGraph(costs, tuple(np.ones(k) for _ in range(n)), edges)
+
+
+def test_chain_and_tree_are_solved_by_reductions_alone() -> None:
+    rng = np.random.default_rng(1)
+    line = chain(8, 3, rng)
+    k = 3
+    parents = [int(rng.integers(0, v)) for v in range(1, 9)]
+    tree = CostGraph(
+        tuple(rng.random(k) for _ in range(9)),
+        tuple(np.ones(k) for _ in range(9)),
+        tuple((p, v + 1, rng.random((k, k))) for v, p in enumerate(parents)),
+    )
+    for graph in (line, tree):
+        got = solve(graph)
+        assert got.reduced_nodes == graph.num_nodes
+        assert got.solver == "reductions" and got.num_variables == 0
+        assert got.objective == pytest.approx(brute_force(graph)[1], rel=1e-12)
+
+
+def test_reduce_false_goes_through_cbc() -> None:
+    graph = chain(6, 3, np.random.default_rng(2))
+    got = solve(graph, reduce=False)
+    assert got.solver == "cbc" and got.reduced_nodes == 0 and got.num_variables > 0
+    assert got.objective == pytest.approx(brute_force(graph)[1], rel=1e-9)
+
+
+def test_parallel_edges_add_up() -> None:
+    r = np.array([[0.0, 5.0], [5.0, 0.0]])
+    graph = CostGraph((np.array([0.0, 1.0]), np.array([3.0, 0.0])), (np.ones(2), np.ones(2)), ((0, 1, r), (1, 0, r.T)))
+    for reduce in (True, False):
+        got = solve(graph, reduce=reduce)
+        assert got.objective == pytest.approx(brute_force(graph)[1])
+
+
+def test_long_chain_solves() -> None:
+    rng = np.random.default_rng(3)
+    graph = chain(300, 6, rng)
+    got = solve(graph)
+    assert got.reduced_nodes == 300
+    # the DP answer is optimal: no single-node change improves it
+    base = got.objective
+    for v in rng.choice(300, 20, replace=False):
+        for s in range(6):
+            trial = list(got.choice)
+            trial[v] = s
+            assert evaluate(graph, trial) >= base - 1e-12
+
+
+def test_gpt_like_graph_solves() -> None:
+    graph = synthetic_gpt_graph(1500, (10, 20), seed=0)
+    assert graph.num_nodes >= 1400
+    got = solve(graph, time_limit=120)
+    assert got.status == "optimal"
+    assert len(got.choice) == graph.num_nodes
+    assert got.objective == evaluate(graph, got.choice)
+    assert got.reduced_nodes > 0
+
+
+def test_memory_budget_is_respected_on_gpt_like_graph() -> None:
+    graph = synthetic_gpt_graph(120, 6, seed=1)
+    free = solve(graph)
+    floor = sum(float(m.min()) for m in graph.node_memory)
+    budget = floor + 0.5 * (memory_of(graph, free.choice) - floor)
+    tight = solve(graph, memory_budget=budget)
+    assert memory_of(graph, tight.choice) <= budget
+    assert tight.objective >= free.objective - 1e-12
+
+
+def small_graph() -> CostGraph:
+    return CostGraph(
+        (np.array([1.0, 2.0]), np.array([0.5, 0.1, 0.3])),
+        (np.array([10.0, 4.0]), np.array([7.0, 3.0, 5.0])),
+        ((0, 1, np.zeros((2, 3))),),
+        ("matmul", "relu"),
+    )
+
+
+def test_empty_allowed_set_is_infeasible() -> None:
+    with pytest.raises(InfeasibleError, match="'relu'.*empty") as info:
+        solve(small_graph(), allowed={1: []})
+    assert info.value.nodes == (1,)
+
+
+def test_allowed_index_out_of_range() -> None:
+    with pytest.raises(InfeasibleError, match=r"'matmul'.*\[5\].*out of range") as info:
+        solve(small_graph(), allowed={0: [1, 5]})
+    assert info.value.nodes == (0,)
+
+
+def test_memory_budget_below_minimum_names_the_minimum() -> None:
+    with pytest.raises(InfeasibleError, match="minimum 7 bytes"):
+        solve(small_graph(), memory_budget=6.0)
+    assert memory_of(small_graph(), solve(small_graph(), memory_budget=7.0).choice) == 7.0
+
+
+def test_forbidden_pairs_that_leave_nothing_are_infeasible() -> None:
+    graph = CostGraph(
+        (np.zeros(2), np.zeros(2)), (np.ones(2), np.ones(2)), ((0, 1, np.full((2, 2), np.inf)),), ("a", "b")
+    )
+    with pytest.raises(InfeasibleError, match="'a'|'b'"):
+        solve(graph)
+
+
+def test_invalid_graphs_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="expected"):
+        solve(CostGraph((np.zeros(2), np.zeros(3)), (np.zeros(2), np.zeros(3)), ((0, 1, np.zeros((3, 2))),)))
+    with pytest.raises(ValueError, match="NaN"):
+        solve(CostGraph((np.array([np.nan]),), (np.zeros(1),), ()))
+    with pytest.raises(ValueError, match="too many"):
+        brute_force(CostGraph(tuple(np.zeros(10) for _ in range(7)), tuple(np.zeros(10) for _ in range(7)), ()))
