@@ -115,6 +115,7 @@ def solve(
     _validate(graph)
     live = _live_strategies(graph, allowed)
     if memory_budget is not None:
+        memory_budget = float(memory_budget)  # a numpy scalar's repr would corrupt the LP text
         _check_memory_floor(graph, live, memory_budget)
     work = _WorkGraph(graph, live)
     if reduce:
@@ -567,7 +568,7 @@ def _build_model(work: _WorkGraph, core: list[int], memory_budget: float | None)
         memory = np.concatenate([work.memory[v] for v in core])
         peak_memory = float(memory.max()) if memory.max() > 0 else 1.0
         rows.append(
-            "m: " + " + ".join(_terms(memory / peak_memory, s_name) or ["0 s0"]) + f" <= {memory_budget / peak_memory!r}"
+            "m: " + " + ".join(_terms(memory / peak_memory, s_name) or ["0 s0"]) + f" <= {float(memory_budget) / float(peak_memory)!r}"
         )
     text = "\n".join(
         ["Minimize", "obj: " + ("\n + ".join(objective) if objective else "0 s0"), "Subject To", *rows, "Binaries"]
@@ -647,10 +648,11 @@ def _run_cbc(
         # Exact optimum: no gap, and any strictly better incumbent counts. The LP relaxation
         # of eq. 1 is tight or nearly so on these graphs, so CBC's preprocessing, cuts and
         # feasibility pump cost more than they save; its dual simplex solves the root LP
-        # several times faster than its default. No MIP start: CBC re-solves the LP to
+        # several times faster than its default; full strong branching costs more per
+        # node than it saves in nodes. No MIP start: CBC re-solves the LP to
         # complete one, which cost more than the whole search on a 24-layer GPT.
         args += ["-ratioGap", "0", "-allowableGap", "0", "-increment", "1e-9"]
-        args += ["-preprocess", "off", "-feas", "off", "-dualSimplex"]
+        args += ["-preprocess", "off", "-feas", "off", "-strong", "2", "-dualSimplex"]
         if not model.has_budget:
             args += ["-cuts", "off"]
         args += ["-solve", "-printingOptions", "normal", "-solution", sol_path]
@@ -686,9 +688,8 @@ def _run_cbc(
         if len(fields) >= 3 and fields[1].startswith("s") and float(fields[2]) > 0.5:
             g = int(fields[1][1:])
             choice[int(model.node_of_column[g])] = int(model.strategy_of_column[g])
-    missing = [v for v in model.nodes if v not in choice]
-    if missing:
-        raise RuntimeError(f"CBC's answer picks no strategy for {graph.label(missing[0])} ({header!r})")
+    if any(v not in choice for v in model.nodes):  # e.g. "Stopped on iterations": LP trouble
+        return _fall_back(fallback, time_limit, header), "time_limit", time.perf_counter() - t0
     return choice, status, time.perf_counter() - t0
 
 
@@ -715,20 +716,22 @@ _LAYER_OPS: tuple[tuple[str, tuple[int, ...], str], ...] = (
 _DIM_SHARDINGS = {"R": (), "S0": (0,), "S1": (1,), "S01": (0, 1)}  # mesh axes a tensor dim splits over
 
 
-def _spec_prices(shape: tuple[int, int]) -> tuple[list[tuple[str, str]], np.ndarray]:
+def _spec_prices(shape: tuple[int, int]) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Specs of a 2-D tensor on a 2-D mesh (each dim: R, S0, S1 or S01; no mesh axis twice)
-    and seconds per byte to reshard between them: slicing is free, gathering a sharded dim
-    or moving it to other axes costs like an all-gather / all-to-all (Alpa, Table 2)."""
+    and the latency (s) and inverse bandwidth (s/byte) of resharding between them: slicing
+    is free, gathering a sharded dim or moving it to other axes costs a collective."""
     axes = _DIM_SHARDINGS
     specs = [(a, b) for a in axes for b in axes if not set(axes[a]) & set(axes[b])]
-    price = np.zeros((len(specs), len(specs)))
+    latency = np.zeros((len(specs), len(specs)))
+    per_byte = np.zeros((len(specs), len(specs)))
     for i, src in enumerate(specs):
         for j, dst in enumerate(specs):
             for s_dim, d_dim in zip(src, dst):
                 if s_dim != d_dim and axes[s_dim] and not set(axes[s_dim]) <= set(axes[d_dim]):
                     devices = _devices(shape, (s_dim,))
-                    price[i, j] += 1e-5 + 1e-10 * (devices - 1) / devices
-    return specs, price
+                    latency[i, j] += 1e-5
+                    per_byte[i, j] += 1e-11 * (devices - 1) / devices
+    return specs, latency, per_byte
 
 
 def _devices(shape: tuple[int, int], spec: Sequence[str]) -> int:
@@ -742,7 +745,7 @@ def synthetic_gpt_graph(
     """A cost graph shaped like a GPT train step, for tests and benchmarks without JAX.
 
     Per layer (40 nodes): a forward chain with residual skips and attention fan-out, the
-    mirrored backward chain, each forward output saved for the backward op that reads it,
+    mirrored backward chain, the inputs of each matmul saved for its backward op,
     and per weight: the parameter (read forward and backward), its gradient, its optimizer
     state and its update. A strategy is an output spec of a 2-D tensor on a 2 x 4 mesh
     (9 specs; more strategies repeat specs with other costs, as matmul variants do), an
@@ -752,7 +755,7 @@ def synthetic_gpt_graph(
     rng = np.random.default_rng(seed)
     lo, hi = (num_strategies, num_strategies) if isinstance(num_strategies, int) else num_strategies
     mesh_shape = (2, 4)
-    specs, price = _spec_prices(mesh_shape)
+    specs, latency, per_byte = _spec_prices(mesh_shape)
     transposed = np.array([specs.index((b, a)) for a, b in specs])
     shards = np.array([_devices(mesh_shape, spec) for spec in specs])
 
@@ -768,23 +771,25 @@ def synthetic_gpt_graph(
         partial = np.arange(k) >= len(specs)  # variants that leave a partial sum to all-reduce
         out_spec.append(spec)
         sizes.append(size)
-        costs.append(flops / 1e14 / shards[spec] + partial * (1e-5 + size * 2e-10) + rng.uniform(0, 1e-7, k))
+        costs.append(flops / 1e14 / shards[spec] + partial * (1e-5 + size * 2e-11) + rng.uniform(0, 1e-7, k))
         memory.append(np.round(size / shards[spec]))
         return len(out_spec) - 1
 
     def edge(producer: int, consumer: int, weight_operand: bool = False) -> None:
         wanted = transposed[out_spec[consumer]] if weight_operand else out_spec[consumer]
-        edges.append((producer, consumer, sizes[producer] * price[np.ix_(out_spec[producer], wanted)]))
+        pairs = np.ix_(out_spec[producer], wanted)
+        edges.append((producer, consumer, latency[pairs] + sizes[producer] * per_byte[pairs]))
 
     layer_input = node(0.0, 5e7)
     for _layer in range(max(1, (num_nodes - 1) // 40)):
         fwd = [node(rng.uniform(1e9, 1e11), rng.uniform(1e7, 1e8)) for _ in _LAYER_OPS]
         bwd = [node(rng.uniform(1e9, 2e11), rng.uniform(1e7, 1e8)) for _ in _LAYER_OPS]
         out_of = lambda i: fwd[i] if i >= 0 else layer_input  # noqa: E731
-        for c, (_name, reads, weight) in enumerate(_LAYER_OPS):
+        for c, (name, reads, weight) in enumerate(_LAYER_OPS):
             for p in reads:
                 edge(out_of(p), fwd[c])  # forward dataflow
-                edge(out_of(p), bwd[c])  # saved activation
+                if weight or name in ("scores", "context"):
+                    edge(out_of(p), bwd[c])  # a matmul's backward reads its saved inputs
                 if p >= 0:
                     edge(bwd[c], bwd[p])  # gradient flows back
             if weight:
