@@ -27,6 +27,7 @@ from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.intra_op import PinError
 from alpa_lab.passes.methods import METHODS, MethodError
 from alpa_lab.plan import Plan, PlanFormatError
+from alpa_lab.runtime.apply import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "PRESETS",
     "ClusterError",
     "ClusterSpec",
+    "DeviceError",
     "InfeasibleError",
     "LogicalMesh",
     "MethodError",

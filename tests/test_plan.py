@@ -227,9 +227,9 @@ def test_bad_cluster_and_mesh_are_clear(example):
         al.parallelize(example.train_step, method="magic")
     step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(4, 4))
     plan = step.plan(*example.args)
-    from alpa_lab.runtime.apply import RuntimeError_
+    from alpa_lab.runtime.apply import DeviceError
 
-    with pytest.raises(RuntimeError_, match="JAX sees 8"):
+    with pytest.raises(DeviceError, match="JAX sees 8"):
         step(*example.args)
     assert step.current_plan is plan
 

@@ -1,8 +1,8 @@
 """Re-run an ``OpGraph`` op by op.
 
 The graph keeps each op's JAX primitive and parameters, so binding them in program order
-recomputes the traced function. That is how the runtime executes a plan (``on_output``
-puts a sharding constraint on each op's results) and how the tests show that tracing, with
+recomputes the traced function. That is how the runtime executes a plan (``on_input`` and
+``on_output`` put sharding constraints on each op's operands and results) and how the tests show that tracing, with
 its inlining of jit/custom_jvp/custom_vjp/checkpoint, kept the program's meaning.
 """
 
@@ -16,9 +16,16 @@ from alpa_lab.graph.opgraph import Op, OpGraph
 
 OutputHook = Callable[[Op, list[Any]], list[Any]]
 """(op, its output values) -> the values the rest of the program sees."""
+InputHook = Callable[[Op, list[Any]], list[Any]]
+"""(op, its operand values) -> the values the op is applied to."""
 
 
-def evaluate(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook | None = None) -> list[Any]:
+def evaluate(
+    graph: OpGraph,
+    flat_args: Sequence[Any],
+    on_output: OutputHook | None = None,
+    on_input: InputHook | None = None,
+) -> list[Any]:
     """The graph's flat outputs for ``flat_args`` (its flat inputs, in ``graph.invars`` order).
 
     Works eagerly and under ``jax.jit`` (values may be tracers).
@@ -29,7 +36,10 @@ def evaluate(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook | N
     env.update(graph.literals)
     env.update(zip(graph.invars, flat_args))
     for op in graph.ops:
-        out = op.bind.bind(*(env[i] for i in op.inputs), **op.params)
+        args = [env[i] for i in op.inputs]
+        if on_input is not None:
+            args = list(on_input(op, args))
+        out = op.bind.bind(*args, **op.params)
         outs = list(out) if op.bind.multiple_results else [out]
         if on_output is not None:
             outs = list(on_output(op, outs))

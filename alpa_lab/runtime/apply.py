@@ -16,13 +16,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from alpa_lab.graph.opgraph import OpGraph
+from alpa_lab.graph.evaluate import evaluate
+from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.plan import Plan
 from alpa_lab.sharding.spec import ShardingSpec
 
 
-class RuntimeError_(RuntimeError):
-    """The plan cannot run on the devices this process has."""
+class DeviceError(RuntimeError):
+    """The plan needs more devices than this process has."""
 
 
 def make_mesh(plan: Plan, devices: list | None = None) -> Mesh:
@@ -30,7 +31,7 @@ def make_mesh(plan: Plan, devices: list | None = None) -> Mesh:
     devices = list(jax.devices()) if devices is None else list(devices)
     need = max(plan.device_ids) + 1
     if len(devices) < need:
-        raise RuntimeError_(
+        raise DeviceError(
             f"the plan uses {need} devices ({plan.mesh_shape[0]}x{plan.mesh_shape[1]} mesh) but JAX sees "
             f"{len(devices)}; for simulated CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count={need} "
             "before JAX is first imported (in a notebook: restart the kernel after setting it)"
@@ -80,21 +81,15 @@ def compile_plan(graph: OpGraph, plan: Plan, devices: list | None = None) -> Com
     in_shardings = tuple(sharding(t.spec) for t in plan.inputs)
     out_shardings = tuple(sharding(t.spec) for t in plan.outputs)
 
-    def run(*flat_args: Any) -> list[Any]:
-        env: dict[int, Any] = dict(zip(graph.invars, flat_args))
-        env.update(graph.consts)
-        env.update(graph.literals)
-        constrain = jax.lax.with_sharding_constraint
-        for op in graph.ops:
-            args = []
-            for v, want in zip(op.inputs, in_constraint[op.index]):
-                x = env[v]
-                args.append(constrain(x, want) if want is not None else x)
-            out = op.bind.bind(*args, **op.params)
-            outs = out if op.bind.multiple_results else [out]
-            for v, x, s in zip(op.outputs, outs, out_constraint[op.index]):
-                env[v] = constrain(x, s)
-        return tuple(env[v] for v in graph.outvars)
+    def constrain_inputs(op: Op, values: list[Any]) -> list[Any]:
+        wanted = in_constraint[op.index]
+        return [x if want is None else jax.lax.with_sharding_constraint(x, want) for x, want in zip(values, wanted)]
+
+    def constrain_outputs(op: Op, values: list[Any]) -> list[Any]:
+        return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(values, out_constraint[op.index])]
+
+    def run(*flat_args: Any) -> tuple[Any, ...]:
+        return tuple(evaluate(graph, flat_args, on_output=constrain_outputs, on_input=constrain_inputs))
 
     fn = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
     return CompiledPlan(plan, mesh, fn, in_shardings, out_shardings)
