@@ -83,7 +83,7 @@ class ParallelizedStep:
         self.memory_budget = memory_budget
         self.current_plan: Plan | None = None
         self._graphs: dict[Any, OpGraph] = {}
-        self._compiled: dict[int, CompiledPlan] = {}
+        self._compiled: CompiledPlan | None = None
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -138,16 +138,15 @@ class ParallelizedStep:
 
     # ----- running ---------------------------------------------------------------------
     def compiled(self, *args: Any) -> CompiledPlan:
+        """The current plan compiled for ``args`` (planned first if there is no plan yet)."""
         graph = self.trace(*args)
-        if self.current_plan is None or self.current_plan.fingerprint != graph.fingerprint:
-            if self.current_plan is not None and self.current_plan.fingerprint != graph.fingerprint:
-                self.current_plan.check_program(graph)  # raises with a clear message
+        if self.current_plan is None:
             self.plan(*args)
         plan = self._require_plan()
-        key = id(plan)
-        if key not in self._compiled or self._compiled[key].plan is not plan:
-            self._compiled = {key: compile_plan(graph, plan)}
-        return self._compiled[key]
+        plan.check_program(graph)  # other shapes are another program: say so, run nothing
+        if self._compiled is None or self._compiled.plan is not plan:
+            self._compiled = compile_plan(graph, plan)
+        return self._compiled
 
     def __call__(self, *args: Any) -> Any:
         compiled = self.compiled(*args)

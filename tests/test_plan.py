@@ -242,3 +242,14 @@ def test_untraceable_function_is_clear():
     with pytest.raises(al.TraceError, match="could not trace 'broken'"):
         step.plan(jax.numpy.ones(4))
     assert step.current_plan is None
+
+
+def test_calling_with_other_shapes_is_refused_and_keeps_plan(step_and_plan, example):
+    step, plan = step_and_plan
+    step(*example.args)
+    other = make_mlp(MLPConfig(batch=32, in_dim=32, hidden=64, layers=2, out_dim=16))
+    with pytest.raises(al.PlanFormatError, match="belongs to another program"):
+        step(*other.args)
+    assert step.current_plan is plan
+    state, loss = step(*example.args)
+    assert np.isfinite(float(loss))

@@ -8,6 +8,7 @@ constraints; everything a pass needs (shapes, dtypes, FLOPs, bytes, names) is pl
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +32,11 @@ class Var:
     producer: int | None = None
     name: str = ""
 
-    @property
+    @functools.cached_property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 

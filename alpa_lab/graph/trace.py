@@ -120,7 +120,7 @@ class _Builder:
 
     def new_var(self, aval: Any, kind: str, producer: int | None = None, name: str = "", value: Any = None) -> int:
         vid = len(self.vars)
-        self.vars.append(Var(vid, tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)), kind, producer, name))
+        self.vars.append(Var(vid, tuple(map(int, aval.shape)), np.dtype(aval.dtype).name, kind, producer, name))
         if kind == "const":
             self.consts[vid] = value
         elif kind == "literal":

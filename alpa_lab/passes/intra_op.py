@@ -14,6 +14,7 @@ maps the group choices back to every op. It is pure: same inputs, same result.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Collection, Mapping
@@ -126,9 +127,17 @@ class IntraOpSolution:
     ilp: ILPSolution
 
 
-def build_strategy_graph(graph: OpGraph, mesh: LogicalMesh, *, merge_trivial_ops: bool = True) -> StrategyGraph:
-    """Enumerate strategies and resharding costs for ``graph`` on ``mesh``."""
+def build_strategy_graph(
+    graph: OpGraph, mesh: LogicalMesh, *, merge_trivial_ops: bool = True, reuse_repeated_blocks: bool = True
+) -> StrategyGraph:
+    """Enumerate strategies and resharding costs for ``graph`` on ``mesh``.
+
+    With ``reuse_repeated_blocks`` the same op in every repeat of a block (``Block_3`` and
+    ``Block_7`` of a transformer) takes the same strategy, as TAP does: the ILP then has
+    one layer's variables however deep the model is.
+    """
     t0 = time.perf_counter()
+    strategy_cache: dict[tuple, tuple[Strategy, ...]] = {}
     nodes: list[PlanningNode] = []
     node_of_var: dict[int, tuple[int, int]] = {}
     argument_kinds = classify_arguments(graph)
@@ -139,12 +148,16 @@ def build_strategy_graph(graph: OpGraph, mesh: LogicalMesh, *, merge_trivial_ops
         node_of_var[vid] = (len(nodes), 0)
         name = var.name if var.kind == "input" else f"const_{vid}"
         per_step = argument_kinds.get(vid) == "data"
-        nodes.append(PlanningNode(name, var.kind, _storage_strategies(var, mesh, per_step), var=vid))
+        key = ("storage", var.shape, var.dtype, per_step)
+        if key not in strategy_cache:
+            strategy_cache[key] = _storage_strategies(var, mesh, per_step)
+        nodes.append(PlanningNode(name, var.kind, strategy_cache[key], var=vid))
 
-    strategy_cache: dict[tuple, tuple[Strategy, ...]] = {}
     unplanned = []
+    op_keys = []
     for op in graph.ops:
         key = _op_key(op, graph)
+        op_keys.append(key)
         if key not in strategy_cache:
             strategy_cache[key] = tuple(strategies_for(op, graph, mesh))
         if not has_rule(op.primitive):
@@ -169,6 +182,8 @@ def build_strategy_graph(graph: OpGraph, mesh: LogicalMesh, *, merge_trivial_ops
             edges.append(OperandEdge(producer, out, -1 - out_pos, node_of_var[in_var][0], vid))
 
     group_of_node, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
+    if reuse_repeated_blocks:
+        group_of_node = _tie_repeated_blocks(graph, nodes, op_keys, group_of_node)
     cost_graph = _cost_graph(graph, mesh, nodes, edges, group_of_node, member_map)
     return StrategyGraph(
         mesh=mesh,
@@ -225,6 +240,7 @@ def _merge_trivial_ops(
     member_map = [np.arange(len(n.strategies)) for n in nodes]
     if not enabled:
         return group_of_node, member_map
+    follows: dict[tuple, np.ndarray] = {}
     for idx, node in enumerate(nodes):
         if node.op_index is None:
             continue
@@ -236,17 +252,68 @@ def _merge_trivial_ops(
             continue
         _, _, pos, vid = max(operands)
         leader, out = node_of_var[vid]
-        group = group_of_node[leader]
-        leader_specs = [nodes[leader].strategies[j].output_specs[out] for j in member_map[leader]]
-        best: dict[ShardingSpec, int] = {}
-        for j, s in enumerate(node.strategies):
-            spec = s.input_specs[pos]
-            if spec not in best or s.cost < node.strategies[best[spec]].cost:
-                best[spec] = j
-        if all(spec in best for spec in leader_specs):
-            group_of_node[idx] = group
-            member_map[idx] = np.array([best[spec] for spec in leader_specs], dtype=np.int64)
+        key = (id(nodes[leader].strategies), out, id(node.strategies), pos)
+        if key not in follows:  # repeated layers share strategy tuples: computed once each
+            follows[key] = _follow_table(nodes[leader].strategies, out, node.strategies, pos)
+        mapped = follows[key][member_map[leader]]
+        if (mapped >= 0).all():
+            group_of_node[idx] = group_of_node[leader]
+            member_map[idx] = mapped
     return group_of_node, member_map
+
+
+def _follow_table(
+    leader: tuple[Strategy, ...], out: int, follower: tuple[Strategy, ...], operand: int
+) -> np.ndarray:
+    """For each leader strategy, the cheapest follower strategy that takes the leader's
+    output ``out`` as operand ``operand`` unchanged; -1 where the follower has none."""
+    best: dict[ShardingSpec, int] = {}
+    for j, s in enumerate(follower):
+        spec = s.input_specs[operand]
+        if spec not in best or s.cost < follower[best[spec]].cost:
+            best[spec] = j
+    return np.array([best.get(s.output_specs[out], -1) for s in leader], dtype=np.int64)
+
+
+def _tie_repeated_blocks(
+    graph: OpGraph, nodes: list[PlanningNode], op_keys: list[tuple], group_of_node: np.ndarray
+) -> np.ndarray:
+    """Give the same op in each repeat of a block one shared strategy choice (TAP).
+
+    An op's *role* is its source label with every index replaced (``Block_#/Dense_#``),
+    its op key (primitive, parameters, shapes) and its rank among ops of that key under
+    its exact label (for an argument: its tree path, shape and dtype, so the parameters of
+    repeated blocks are tied too). Ops of one role are the same computation in repeated
+    blocks; their groups are united when they choose among identical strategy lists, so
+    strategy ``r`` means the same for all of them. Ops whose label has no index stay alone.
+    """
+    parent = {int(g): int(g) for g in set(group_of_node.tolist())}
+
+    def find(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    first_of_role: dict[tuple, int] = {}
+    rank: dict[tuple, int] = {}
+    for n, node in enumerate(nodes):
+        if node.op_index is None:  # an argument: its tree path is its label
+            var = graph.vars[node.var]
+            label, key = node.name, (var.shape, var.dtype)
+        else:
+            label, key = node.label, op_keys[node.op_index]
+        if not re.search(r"\d", label):
+            continue
+        k = rank[(label, key)] = rank.get((label, key), -1) + 1
+        role = (re.sub(r"\d+", "#", label), key, k)
+        if role not in first_of_role:
+            first_of_role[role] = n
+            continue
+        a, b = find(int(group_of_node[first_of_role[role]])), find(int(group_of_node[n]))
+        if a != b and nodes[a].strategies is nodes[b].strategies:
+            parent[b] = a
+    return np.array([find(int(g)) for g in group_of_node])
 
 
 def _cost_graph(
@@ -262,24 +329,35 @@ def _cost_graph(
     gindex = {g: i for i, g in enumerate(groups)}
     costs = [np.zeros(len(nodes[g].strategies)) for g in groups]
     memory = [np.zeros(len(nodes[g].strategies)) for g in groups]
+    per_strategy: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for n, node in enumerate(nodes):
         gi = gindex[int(group_of_node[n])]
-        cost = np.array([s.cost for s in node.strategies])
-        mem = np.array([s.memory_cost for s in node.strategies])
+        if id(node.strategies) not in per_strategy:
+            per_strategy[id(node.strategies)] = (
+                np.array([s.cost for s in node.strategies]),
+                np.array([s.memory_cost for s in node.strategies]),
+            )
+        cost, mem = per_strategy[id(node.strategies)]
         costs[gi] += cost[member_map[n]]
         memory[gi] += mem[member_map[n]]
     tables: dict[tuple, np.ndarray] = {}
+    edge_tables: dict[tuple, np.ndarray] = {}
     group_edges: dict[tuple[int, int], np.ndarray] = {}
     for e in edges:
         var = graph.vars[e.var]
-        src = [s.output_specs[e.output] for s in nodes[e.producer].strategies]
-        if e.consumer >= 0:
-            consumer = e.consumer
-            dst = [s.input_specs[e.operand] for s in nodes[consumer].strategies]
-        else:  # an output that must come back in its argument's layout
-            consumer = e.operand
-            dst = [s.output_specs[0] for s in nodes[consumer].strategies]
-        table = _resharding_table(src, dst, var, mesh, tables)
+        alias = e.consumer < 0  # an output that must come back in its argument's layout
+        consumer = e.operand if alias else e.consumer
+        producer_strategies, consumer_strategies = nodes[e.producer].strategies, nodes[consumer].strategies
+        # repeated layers share strategy tuples (see _op_key), so most edges hit this cache
+        key = (id(producer_strategies), e.output, id(consumer_strategies), alias, e.operand, var.shape, var.itemsize)
+        if key not in edge_tables:
+            src = [s.output_specs[e.output] for s in producer_strategies]
+            if alias:
+                dst = [s.output_specs[0] for s in consumer_strategies]
+            else:
+                dst = [s.input_specs[e.operand] for s in consumer_strategies]
+            edge_tables[key] = _resharding_table(src, dst, var, mesh, tables)
+        table = edge_tables[key]
         lifted = table[np.ix_(member_map[e.producer], member_map[consumer])]
         gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
         if gu == gv:
