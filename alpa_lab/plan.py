@@ -198,7 +198,10 @@ class Plan:
 
     @property
     def communication_cost(self) -> float:
-        return sum(o.communication_cost for o in self.ops) + sum(r.cost for r in self.reshardings)
+        """Predicted seconds of collectives, reshardings included as the ILP charges them:
+        once per consuming op (XLA shares one resharding between consumers that want the
+        same spec, which is why ``reshardings`` lists each once)."""
+        return self.objective - self.compute_cost
 
     def op(self, name: str) -> OpPlan:
         for o in self.ops:

@@ -16,9 +16,8 @@ import argparse
 import statistics
 import time
 
+import alpa_lab as al  # first: it gives this process simulated CPU devices  # isort: skip
 import jax
-
-import alpa_lab as al
 from alpa_lab.models import EXAMPLES
 
 
