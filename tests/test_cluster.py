@@ -325,3 +325,11 @@ def test_compute_cost_roofline():
     assert m.compute_cost(flops, nbytes, 4) == pytest.approx(expect / 4)
     assert m.compute_cost(flops, nbytes, 0) == pytest.approx(expect)
     assert math.isclose(m.compute_cost(0, 0, 8), 0.0)
+
+
+def test_logical_mesh_rejects_repeated_or_unknown_devices():
+    cluster = ClusterSpec.local(1, 4)
+    with pytest.raises(ClusterError, match="must be distinct device ids in 0..3"):
+        cluster.logical_mesh((2, 2), devices=(0, 0, 1, 1))
+    with pytest.raises(ClusterError, match="must be distinct device ids"):
+        cluster.logical_mesh((1, 2), devices=(3, 4))

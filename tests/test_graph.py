@@ -8,7 +8,6 @@ import re
 from collections import Counter
 from functools import partial
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -112,6 +112,10 @@ class ClusterSpec:
                 f"logical mesh shape {shape} does not hold {len(devices)} devices; "
                 f"use a 2-D shape whose product is {len(devices)}, e.g. {(1, len(devices))}"
             )
+        if len(set(devices)) != len(devices) or not all(0 <= d < self.num_devices for d in devices):
+            raise ClusterError(
+                f"logical mesh devices {devices} must be distinct device ids in 0..{self.num_devices - 1}"
+            )
         grid = np.array(devices).reshape(shape)
         hosts_of = grid // self.devices_per_host
         alphas, betas = [], []

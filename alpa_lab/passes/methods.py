@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Mapping
 
 from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, solve_strategy_graph
 from alpa_lab.sharding.spec import ShardingSpec
