@@ -234,6 +234,8 @@ class Plan:
             "  collectives per step: "
             + (", ".join(f"{k} x{v}" for k, v in sorted(self.predicted_collectives().items())) or "none"),
         ]
+        if self.solver.get("status", "optimal") != "optimal":
+            lines.append("  solver stopped at its time limit: the plan is feasible, optimality not proven")
         if self.mesh_candidates:
             lines.append(
                 "  mesh shapes tried: "
