@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from alpa_lab.cost.cluster import Collective, _fmt_bytes
-from alpa_lab.graph.opgraph import OpGraph
+from alpa_lab.graph.opgraph import OpGraph, did_you_mean
 from alpa_lab.passes.intra_op import PinError, StrategyGraph
 from alpa_lab.passes.methods import MethodSolution, solve_method
 from alpa_lab.sharding.resharding import resharding
@@ -207,10 +207,7 @@ class Plan:
         for o in self.ops:
             if o.name == name:
                 return o
-        import difflib
-
-        close = difflib.get_close_matches(name, [o.name for o in self.ops], n=5)
-        raise KeyError(f"no op named {name!r} in this plan" + (f"; did you mean {', '.join(close)}?" if close else ""))
+        raise KeyError(f"no op named {name!r} in this plan{did_you_mean(name, [o.name for o in self.ops])}")
 
     def predicted_collectives(self) -> Counter:
         """Collective kinds and counts the plan issues per step."""
@@ -416,7 +413,10 @@ def _plan_from_dict(d: dict) -> Plan:
         )
         for o in d["ops"]
     )
-    tensors = lambda items: tuple(TensorPlan(t["path"], tuple(t["shape"]), t["dtype"], t["spec"]) for t in items)  # noqa: E731
+
+    def tensors(items: list) -> tuple[TensorPlan, ...]:
+        return tuple(TensorPlan(t["path"], tuple(t["shape"]), t["dtype"], t["spec"]) for t in items)
+
     reshardings = tuple(
         ReshardingPlan(
             r["producer"], r["consumer"], tuple(r["shape"]), r["dtype"], r["src"], r["dst"], _collectives(r["collectives"])

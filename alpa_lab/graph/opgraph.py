@@ -83,17 +83,6 @@ class OpGraph:
     literals: dict[int, Any] = field(default_factory=dict, repr=False)
     fingerprint: str = ""
 
-    def op(self, name: str) -> Op:
-        """The op called ``name``; a clear error lists close names when it is unknown."""
-        for op in self.ops:
-            if op.name == name:
-                return op
-        import difflib
-
-        close = difflib.get_close_matches(name, [o.name for o in self.ops], n=5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"no op named {name!r} in this program ({len(self.ops)} ops){hint}")
-
     def consumers(self) -> dict[int, list[int]]:
         """Var id -> indices of the ops that read it."""
         out: dict[int, list[int]] = {v.id: [] for v in self.vars}
@@ -112,3 +101,11 @@ class OpGraph:
             counts[op.primitive] = counts.get(op.primitive, 0) + 1
         top = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:8])
         return f"OpGraph: {len(self.ops)} ops, {len(self.vars)} vars, {self.total_flops:.3g} FLOPs ({top})"
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """"; did you mean 'a', 'b'?" for the known names closest to a mistyped one, or ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=5)
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

@@ -23,7 +23,7 @@ import numpy as np
 
 from alpa_lab.cost.cluster import LogicalMesh
 from alpa_lab.graph.analysis import classify_arguments, find_aliases
-from alpa_lab.graph.opgraph import Op, OpGraph, Var
+from alpa_lab.graph.opgraph import Op, OpGraph, Var, did_you_mean
 from alpa_lab.graph.trace import param_signature
 from alpa_lab.passes.ilp import CostGraph, ILPSolution, InfeasibleError, solve
 from alpa_lab.sharding.resharding import resharding
@@ -111,10 +111,7 @@ class StrategyGraph:
         for i, n in enumerate(self.nodes):
             if n.name == name:
                 return i
-        import difflib
-
-        close = difflib.get_close_matches(name, [n.name for n in self.nodes], n=5)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(name, [n.name for n in self.nodes])
         raise PinError(f"no op or argument named {name!r} in this program{hint}", (name,))
 
 
