@@ -253,3 +253,20 @@ def test_calling_with_other_shapes_is_refused_and_keeps_plan(step_and_plan, exam
     assert step.current_plan is plan
     state, loss = step(*example.args)
     assert np.isfinite(float(loss))
+
+
+def test_pins_survive_saving_and_retracing(step_and_plan, tmp_path, example):
+    _, plan = step_and_plan
+    dot = first_dot(plan).name
+    target = other_strategy(plan, dot)
+    pinned = plan.pin(dot, target)
+    pinned.save(tmp_path / "pinned.json")
+    # a new step traces the program again; op names are stable, so the pin still applies
+    fresh = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), mesh_shape=(2, 2))
+    loaded = fresh.use(al.Plan.load(tmp_path / "pinned.json"), *example.args)
+    assert dict(loaded.pins) == {dot: target} and loaded.op(dot).strategy == target
+    resolved = loaded.unpin(dot).pin(dot, target)  # the reattached plan can be edited
+    assert resolved.op(dot).strategy == target
+    assert resolved.objective == pytest.approx(pinned.objective, rel=1e-9)
+    state, loss = fresh(*example.args)
+    assert np.isfinite(float(loss))
