@@ -1,0 +1,126 @@
+"""Sub-mesh shapes (Alpa, OSDI'22, sec. 5.2) and their placement on a cluster (Appendix A).
+
+A cluster is ``num_hosts`` (N) hosts with ``devices_per_host`` (M) devices each; device id
+``host * M + local``. Alpa restricts the stage sub-meshes to the shapes
+``(1, 1), (1, 2), (1, 4), ..., (1, M)`` and ``(2, M), ..., (N, M)``: the 1-D ones keep a
+stage inside one host (fast intra-host links), the 2-D ones use whole hosts. With these
+shapes, any multiset whose sizes sum to N*M can tile the cluster exactly (Appendix A), so
+the inter-op DP only has to check the total size; ``place_submeshes`` builds that tiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Placement", "PlacementError", "place_submeshes", "submesh_shapes"]
+
+
+class PlacementError(ValueError):
+    """The sub-mesh shapes cannot tile the cluster."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one sub-mesh lands: its shape, hosts, and device ids (row-major, host-major)."""
+
+    shape: tuple[int, int]
+    hosts: tuple[int, ...]
+    device_ids: tuple[int, ...]
+
+
+def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
+    for name, value in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int]]:
+    """Alpa's candidate sub-mesh shapes for an N x M cluster, smallest first (sec. 5.2).
+
+    1-D shapes ``(1, 2^m)`` up to M (plus ``(1, M)`` when M is not a power of two), then
+    2-D shapes ``(n, M)`` for n = 2..N.
+    """
+    _check_cluster(num_hosts, devices_per_host)
+    shapes: list[tuple[int, int]] = []
+    k = 1
+    while k <= devices_per_host:
+        shapes.append((1, k))
+        k *= 2
+    if shapes[-1] != (1, devices_per_host):
+        shapes.append((1, devices_per_host))
+    shapes.extend((n, devices_per_host) for n in range(2, num_hosts + 1))
+    return shapes
+
+
+def _normalize_shape(shape: object) -> tuple[int, int]:
+    try:
+        rows, cols = shape  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise PlacementError(f"sub-mesh shape must be a pair (hosts, devices), got {shape!r}") from None
+    for v in (rows, cols):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise PlacementError(f"sub-mesh shape must hold ints, got {shape!r}")
+    return rows, cols
+
+
+def place_submeshes(
+    shapes: Sequence[tuple[int, int]], num_hosts: int, devices_per_host: int
+) -> tuple[Placement, ...]:
+    """Tile the N x M cluster with ``shapes`` (Appendix A); one Placement per shape, in order.
+
+    Whole-host shapes ``(n, M)`` take consecutive hosts first; the remaining ``(1, k)``
+    shapes go, largest first, to the first free slot aligned to k within a host
+    (buddy-allocation style). For power-of-two sizes this never fails, since every
+    remaining gap is a multiple of the next size.
+    """
+    _check_cluster(num_hosts, devices_per_host)
+    n_hosts, m = num_hosts, devices_per_host
+    valid = set(submesh_shapes(n_hosts, m))
+    norm = [_normalize_shape(s) for s in shapes]
+    for i, s in enumerate(norm):
+        if s not in valid:
+            raise PlacementError(
+                f"shape #{i} {s} is not a valid sub-mesh shape for a {n_hosts}x{m} cluster; "
+                f"valid shapes: {sorted(valid)}"
+            )
+    total = sum(r * c for r, c in norm)
+    if total != n_hosts * m:
+        raise PlacementError(
+            f"sub-mesh sizes sum to {total}, but the {n_hosts}x{m} cluster has "
+            f"{n_hosts * m} devices; they must be equal to tile it exactly"
+        )
+
+    result: list[Placement | None] = [None] * len(norm)
+    next_host = 0
+    for i, (rows, cols) in enumerate(norm):
+        if cols == m:  # whole hosts, including (1, M)
+            hosts = tuple(range(next_host, next_host + rows))
+            next_host += rows
+            ids = tuple(h * m + d for h in hosts for d in range(m))
+            result[i] = Placement((rows, cols), hosts, ids)
+
+    free = {h: [True] * m for h in range(next_host, n_hosts)}
+    one_d = sorted((i for i, (_, c) in enumerate(norm) if c != m), key=lambda i: -norm[i][1])
+    for i in one_d:
+        k = norm[i][1]
+        slot = next(
+            (
+                (h, off)
+                for h in range(next_host, n_hosts)
+                for off in range(0, m - k + 1, k)
+                if all(free[h][off : off + k])
+            ),
+            None,
+        )
+        if slot is None:
+            raise PlacementError(
+                f"cannot pack shape #{i} (1, {k}) into the remaining hosts of the "
+                f"{n_hosts}x{m} cluster (fragmentation; M={m} is not a power of two?)"
+            )
+        h, off = slot
+        free[h][off : off + k] = [False] * k
+        result[i] = Placement((1, k), (h,), tuple(h * m + off + d for d in range(k)))
+    return tuple(p for p in result if p is not None)
