@@ -22,6 +22,7 @@ if "jax" not in _sys.modules and "xla_force_host_platform_device_count" not in _
 
 from alpa_lab.api import ParallelizedStep, parallelize, plan_graph
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
+from alpa_lab.graph.markers import grad, mark_stage_boundary, value_and_grad
 from alpa_lab.graph.trace import TraceError, trace
 from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.intra_op import PinError
@@ -46,8 +47,11 @@ __all__ = [
     "ShardingSpec",
     "ShardingSpecError",
     "TraceError",
+    "grad",
+    "mark_stage_boundary",
     "parallelize",
     "plan_graph",
     "trace",
+    "value_and_grad",
 ]
 __version__ = "0.1.0"

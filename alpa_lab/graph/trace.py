@@ -38,7 +38,7 @@ INLINED_CALLS = {
 ELEMENTWISE_FLOP_FREE = {
     "convert_element_type", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
     "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "select_n",
-    "copy", "copy_p", "stop_gradient", "iota", "rev",
+    "copy", "copy_p", "stop_gradient", "iota", "rev", "pipeline_marker",
 }
 
 

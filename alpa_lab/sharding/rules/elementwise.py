@@ -8,7 +8,13 @@ replicated along the broadcast dims, since every device needs all of them.
 
 from __future__ import annotations
 
-from alpa_lab.sharding.rules.base import RuleContext, loop_strategies, matching_operand_dims, same_dim_loops
+from alpa_lab.sharding.rules.base import (
+    Loop,
+    RuleContext,
+    loop_strategies,
+    matching_operand_dims,
+    same_dim_loops,
+)
 from alpa_lab.sharding.strategy import Strategy
 
 BINARY = (
@@ -25,7 +31,9 @@ UNARY = (
     "expm1", "imag", "real", "conj", "reduce_precision", "lgamma", "digamma", "bessel_i0e",
     "bessel_i1e", "population_count", "clz", "bitcast_convert_type",
 )
-ELEMENTWISE = BINARY + UNARY
+MARKERS = ("pipeline_marker",)
+"""``alpa_lab.graph.markers``: the identity on each operand, so output i follows input i."""
+ELEMENTWISE = BINARY + UNARY + MARKERS
 
 
 def elementwise_rule(ctx: RuleContext) -> list[Strategy]:
@@ -36,4 +44,23 @@ def elementwise_rule(ctx: RuleContext) -> list[Strategy]:
     return loop_strategies(ctx, same_dim_loops(ctx, rank, lambda d: matching_operand_dims(ctx, d)))
 
 
-RULES = {prim: elementwise_rule for prim in ELEMENTWISE}
+def marker_rule(ctx: RuleContext) -> list[Strategy]:
+    """A pipeline marker: output i is input i, so it takes input i's spec, for free.
+
+    One operand: one strategy per spec (and a follower of its producer). Several operands
+    of one shape: the strategies giving every operand the same spec. Operands of different
+    shapes: only the replicated strategy (the caller's fallback); a per-operand choice is
+    not one op strategy.
+    """
+    if not ctx.ins or any(v.shape != ctx.ins[0].shape for v in ctx.ins + ctx.outs):
+        return []
+    rank = ctx.ins[0].rank
+    loops = [
+        Loop(operands=tuple((t, d) for t in range(len(ctx.ins))), results=tuple((t, d) for t in range(len(ctx.outs))))
+        for d in range(rank)
+    ]
+    return loop_strategies(ctx, loops)
+
+
+RULES = {prim: elementwise_rule for prim in BINARY + UNARY}
+RULES.update({prim: marker_rule for prim in MARKERS})
