@@ -235,3 +235,47 @@ def test_bad_callable_and_cost():
 def test_brute_force_refuses_huge_search():
     with pytest.raises(InterOpError, match="combinations"):
         brute_force_stages(12, 4, 8, 4, _compute_heavy)
+
+
+def test_min_over_stages_matches_full_table():
+    """The stage-count-free DP used when max_stages does not bind equals min_s F(s, 0, D)
+    bit for bit, for every t_max and after incremental row updates, and uncapped plans
+    equal those with a non-binding cap."""
+    import math
+
+    from alpa_lab.passes import inter_op
+
+    rng = random.Random(7)
+    for _ in range(40):
+        L = rng.randint(1, 7)
+        N, M = rng.choice(CLUSTERS)
+        D = N * M
+        # integer times make ties (and exact-equality traps) common
+        base = random_cost(rng, 0.3)
+
+        def cost(start, end, shape, logical, base=base):
+            c = base(start, end, shape, logical)
+            return None if c is None else StageCost(float(round(c.time)))
+
+        table = inter_op._profile(cost, L, submesh_shapes(N, M))
+        if not table:
+            continue
+        dense = inter_op._Dense(table, L, D)
+        S = min(L, D)
+        solver = inter_op._MinOverStages(dense)
+        for t_max in sorted({opt.time for opt in table.values()}):
+            allowed = dense.allowed(t_max)
+            # only rows up to the last start of a newly allowed option change
+            top = max(s for (s, _, _), o in table.items() if o.time == t_max)
+            got = solver.solve(allowed, top)
+            F = inter_op._solve_f(dense, allowed, S)
+            want = float(F[1:, 0, D].min())
+            assert got == want or (math.isinf(got) and math.isinf(want))
+        B = rng.randint(1, 9)
+        try:
+            a = stage_dp(L, N, M, B, cost)
+        except InterOpError:
+            with pytest.raises(InterOpError):
+                stage_dp(L, N, M, B, cost, max_stages=S + 1)
+            continue
+        assert a == stage_dp(L, N, M, B, cost, max_stages=S + 1)

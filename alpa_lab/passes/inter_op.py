@@ -178,45 +178,108 @@ def _profile(
     sum_i t_i and max_j t_j in eq. 2.
     """
     table: dict[tuple[int, int, Shape], _Option] = {}
+    logicals_of = [(shape, logical_shapes(shape)) for shape in shapes]
     for start in range(L):
         for end in range(start + 1, L + 1):
-            for shape in shapes:
-                best: _Option | None = None
-                for logical in logical_shapes(shape):
+            for shape, logicals in logicals_of:
+                best_time, best_logical = math.inf, None
+                for logical in logicals:
                     cost = _checked_cost(stage_cost, start, end, shape, logical)
-                    if cost is not None and (best is None or cost.time < best.time):
-                        best = _Option(float(cost.time), logical)
-                if best is not None:
-                    table[(start, end, shape)] = best
+                    if cost is not None and (best_logical is None or cost.time < best_time):
+                        best_time, best_logical = cost.time, logical
+                if best_logical is not None:
+                    table[(start, end, shape)] = _Option(float(best_time), best_logical)
     return table
 
 
-def _solve_f(
-    table: dict[tuple[int, int, Shape], _Option],
-    L: int,
-    D: int,
-    S: int,
-    t_max: float,
-) -> np.ndarray:
-    """F[s, k, d] of eq. 3 for one t_max (numpy over d); inf where infeasible."""
+class _Dense:
+    """The profiled table as dense arrays for the vectorised DP.
+
+    ``times[k, end, j]`` is the fastest option for layers [k, end) on any sub-mesh of the
+    j-th distinct size ``sizes[j]`` (inf where none). Taking the min over sub-meshes of
+    equal size is exact: t + F is monotone in t, so min_i(t_i) + F == min_i(t_i + F) in
+    floating point too. ``shift[j, d]`` indexes d - sizes[j] into a row padded with one
+    trailing inf (index D + 1) where d < sizes[j].
+    """
+
+    def __init__(self, table: dict[tuple[int, int, Shape], _Option], L: int, D: int):
+        sizes = sorted({shape[0] * shape[1] for (_, _, shape) in table if shape[0] * shape[1] <= D})
+        index = {size: j for j, size in enumerate(sizes)}
+        times = np.full((L + 1, L + 1, len(sizes)), np.inf)
+        for (start, end, shape), opt in table.items():
+            j = index.get(shape[0] * shape[1])
+            if j is not None and opt.time < times[start, end, j]:
+                times[start, end, j] = opt.time
+        d = np.arange(D + 1)
+        shift = d[None, :] - np.asarray(sizes, dtype=np.int64)[:, None]
+        shift[shift < 0] = D + 1
+        self.sizes, self.times, self.shift = sizes, times, shift
+        self.L, self.D = L, D
+
+    def allowed(self, t_max: float) -> np.ndarray:
+        return np.where(self.times <= t_max, self.times, np.inf)
+
+
+def _shifted(row: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """H[j, d] = row[d - sizes[j]] (inf where d < sizes[j])."""
+    return np.append(row, np.inf)[shift]
+
+
+class _MinOverStages:
+    """G(k, d) = min_s F(s, k, d; t_max): eq. 3 without the stage-count dimension.
+
+    Exact when the number of stages is not capped below min(L, D) (which any slicing
+    already satisfies): every path's latency is summed in the same order as in F, so
+    G(0, D) == min_s F(s, 0, D) bit for bit. Rows are kept across increasing t_max and
+    only rows k <= (largest start of a newly allowed option) are recomputed.
+    """
+
+    def __init__(self, dense: _Dense):
+        L, D = dense.L, dense.D
+        self.dense = dense
+        self.G = np.full((L + 1, D + 1), np.inf)
+        self.G[L, 0] = 0.0
+        self.H = np.full((L + 1, len(dense.sizes), D + 1), np.inf)
+        self.H[L] = _shifted(self.G[L], dense.shift)
+
+    def solve(self, allowed: np.ndarray, top: int) -> float:
+        """Recompute rows top..0 with ``allowed`` times; returns G(0, D)."""
+        G, H, shift = self.G, self.H, self.dense.shift
+        for k in range(top, -1, -1):
+            t = allowed[k, k + 1 :]
+            ends = np.flatnonzero(np.isfinite(t).any(axis=1))
+            if ends.size == 0:
+                G[k] = np.inf
+            else:
+                lo, hi = ends[0], ends[-1] + 1
+                cand = t[lo:hi, :, None] + H[k + 1 + lo : k + 1 + hi]
+                G[k] = cand.min(axis=(0, 1))
+            H[k] = _shifted(G[k], shift)
+        return float(G[0, -1])
+
+
+def _solve_f(dense: _Dense, allowed: np.ndarray, S: int, stop_at: float | None = None) -> np.ndarray:
+    """F[s, k, d] of eq. 3 for one t_max (numpy over k, end and d); inf where infeasible.
+
+    With ``stop_at``, stops after the first s with F[s, 0, D] == stop_at (the rest is left
+    inf; it is not needed to reconstruct that s).
+    """
+    L, D, sizes = dense.L, dense.D, dense.sizes
     F = np.full((S + 1, L + 1, D + 1), np.inf)
     F[0, L, 0] = 0.0
-    allowed = [
-        (start, end, shape[0] * shape[1], opt.time)
-        for (start, end, shape), opt in table.items()
-        if opt.time <= t_max
-    ]
-    by_start: dict[int, list[tuple[int, int, float]]] = {}
-    for start, end, size, t in allowed:
-        by_start.setdefault(start, []).append((end, size, t))
     for s in range(1, S + 1):
-        for k in range(L - 1, -1, -1):
-            row = F[s, k]
-            for end, size, t in by_start.get(k, ()):
-                if size > D:
-                    continue
-                cand = t + F[s - 1, end, : D + 1 - size]
-                np.minimum(row[size:], cand, out=row[size:])
+        # stage s (counting from the end) starts at k <= L - s and ends at end <= L - s + 1
+        kmax, emax = L - s + 1, L - s + 2
+        prev = F[s - 1, :emax]
+        row = F[s, :kmax]
+        for j, size in enumerate(sizes):
+            t = allowed[:kmax, :emax, j]
+            if not np.isfinite(t).any():
+                continue
+            cand = (t[:, :, None] + prev[None, :, : D + 1 - size]).min(axis=1)
+            np.minimum(row[:, size:], cand, out=row[:, size:])
+        if stop_at is not None and F[s, 0, D] == stop_at:
+            break
     return F
 
 
@@ -229,16 +292,19 @@ def _reconstruct(
     t_max: float,
 ) -> list[tuple[int, int, Shape, _Option]]:
     """Walk F back from (s, 0, D): pick any choice attaining the stored minimum exactly."""
+    by_start: dict[int, list[tuple[int, Shape, _Option]]] = {}
+    for (start, end, shape), opt in table.items():
+        by_start.setdefault(start, []).append((end, shape, opt))
     stages: list[tuple[int, int, Shape, _Option]] = []
     k, d = 0, D
     while s > 0:
         target = F[s, k, d]
-        for (start, end, shape), opt in table.items():
+        for end, shape, opt in by_start.get(k, ()):
             size = shape[0] * shape[1]
-            if start != k or opt.time > t_max or size > d:
+            if opt.time > t_max or size > d:
                 continue
             if opt.time + F[s - 1, end, d - size] == target:
-                stages.append((start, end, shape, opt))
+                stages.append((k, end, shape, opt))
                 k, d, s = end, d - size, s - 1
                 break
         else:  # pragma: no cover - F was built from exactly these terms
@@ -278,15 +344,47 @@ def stage_dp(
             "every (layer range, sub-mesh, logical shape)"
         )
 
+    dense = _Dense(table, L, D)
+    uncapped = S >= min(L, D)
     best_value, best_tmax, best_s, best_F = math.inf, math.nan, 0, None
-    for t_max in sorted({opt.time for opt in table.values()}):
-        if B * t_max >= best_value:  # early pruning (sec. 5.2)
-            break
-        F = _solve_f(table, L, D, S, t_max)
-        s = int(np.argmin(F[1:, 0, D])) + 1
-        value = float(F[s, 0, D]) + (B - 1) * t_max
-        if value < best_value:
-            best_value, best_tmax, best_s, best_F = value, t_max, s, F
+    if dense.sizes:
+        # lower bound on sum_i t_i for any t_max: the DP with every option allowed
+        every = dense.allowed(math.inf)
+        if uncapped:
+            floor = _MinOverStages(dense).solve(every, L - 1)
+        else:
+            floor = float(_solve_f(dense, every, S)[1:, 0, D].min())
+        starts_at: dict[float, int] = {}
+        for (start, _, _), opt in table.items():
+            if starts_at.get(opt.time, -1) < start:
+                starts_at[opt.time] = start
+        solver = _MinOverStages(dense) if uncapped else None
+        top = -1  # rows 0..top of the incremental solver are out of date
+        for t_max in sorted(starts_at):
+            top = max(top, starts_at[t_max])
+            if math.isinf(floor) or B * t_max >= best_value:  # early pruning (sec. 5.2)
+                break
+            # every plan with slowest stage <= t_max costs >= floor + (B - 1) * t_max
+            if floor + (B - 1) * t_max >= best_value:
+                break
+            allowed = dense.allowed(t_max)
+            if solver is not None:
+                total = solver.solve(allowed, top)
+                top = -1
+                value = total + (B - 1) * t_max
+                if value < best_value:
+                    best_value, best_tmax, best_F = value, t_max, total
+            else:
+                F = _solve_f(dense, allowed, S)
+                s = int(np.argmin(F[1:, 0, D])) + 1
+                value = float(F[s, 0, D]) + (B - 1) * t_max
+                if value < best_value:
+                    best_value, best_tmax, best_s, best_F = value, t_max, s, F
+        if uncapped and best_F is not None:
+            total = best_F
+            best_F = _solve_f(dense, dense.allowed(best_tmax), S, stop_at=total)
+            best_s = int(np.argmin(best_F[1:, 0, D])) + 1
+            assert best_F[best_s, 0, D] == total
 
     if best_F is None:
         limit = f" with at most {max_stages} stages" if max_stages is not None else ""
