@@ -322,8 +322,8 @@ def _cost_graph(
     member_map: list[np.ndarray],
 ) -> CostGraph:
     """Costs per group (sum over members) and resharding matrices between groups."""
-    groups = sorted(set(int(g) for g in group_of_node))
-    gindex = {g: i for i, g in enumerate(groups)}
+    gindex = group_index(group_of_node)
+    groups = list(gindex)
     costs = [np.zeros(len(nodes[g].strategies)) for g in groups]
     memory = [np.zeros(len(nodes[g].strategies)) for g in groups]
     per_strategy: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -419,23 +419,23 @@ def solve_strategy_graph(
                     tuple(conflict),
                 ) from exc
         raise
-    gindex = _group_index(sg)
+    gindex = group_index(sg.group_of_node)
     choice = tuple(
         int(sg.member_map[n][sol.choice[gindex[int(sg.group_of_node[n])]]]) for n in range(len(sg.nodes))
     )
     return IntraOpSolution(choice=choice, objective=sol.objective, ilp=sol)
 
 
-def _group_index(sg: StrategyGraph) -> dict[int, int]:
-    """Representative node -> index of its group in the cost graph."""
-    return {g: i for i, g in enumerate(sorted(set(int(g) for g in sg.group_of_node)))}
+def group_index(group_of_node: np.ndarray) -> dict[int, int]:
+    """Representative node -> index of its group in the cost graph (in node order)."""
+    return {g: i for i, g in enumerate(sorted(set(int(g) for g in group_of_node)))}
 
 
 def allowed_strategies(
     sg: StrategyGraph, pins: Mapping[str, str], restrictions: Mapping[str, Collection[str]] | None = None
 ) -> dict[int, set[int]]:
     """Pins and restrictions on nodes become allowed strategy sets of their groups."""
-    gindex = _group_index(sg)
+    gindex = group_index(sg.group_of_node)
     wanted: dict[str, tuple[set[int], str]] = {}
     for name, names in (restrictions or {}).items():
         node = sg.nodes[sg.node_index(name)]
