@@ -15,12 +15,19 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 
 from alpa_lab.cost.cluster import ClusterSpec
+from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
-from alpa_lab.graph.trace import trace
+from alpa_lab.graph.trace import _path_str, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, solve_method
-from alpa_lab.plan import Plan, make_plan
+from alpa_lab.passes.pipeline import plan_pipeline
+from alpa_lab.passes.schedule import SCHEDULES, make_schedule
+from alpa_lab.plan import PipelinePlan, Plan, make_plan
 from alpa_lab.runtime.apply import CompiledPlan, compile_plan
+from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
+
+DEFAULT_LAYERS = 8
+"""Layers the automatic layering cuts a step into when pipelining (``layers=`` overrides)."""
 
 
 def plan_graph(
@@ -71,9 +78,28 @@ class ParallelizedStep:
         mesh_shape: tuple[int, int] | None = None,
         method: str = "alpa",
         memory_budget: float | None = None,
+        microbatches: int | None = None,
+        schedule: str = "1f1b",
+        layers: int | None = None,
+        max_stages: int | None = None,
     ):
         if method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
+        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(sorted(SCHEDULES))}")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+            raise ValueError(f"layers must be a positive integer, got {layers!r}")
+        if microbatches is not None and (mesh_shape is not None or memory_budget is not None):
+            raise ValueError(
+                "mesh_shape and memory_budget apply to single-mesh plans; a pipelined step chooses a logical "
+                "mesh per stage and checks memory per stage (eq. 5): drop them or drop microbatches"
+            )
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.layers = layers
+        self.max_stages = max_stages
         self.fn = fn
         self.cluster = cluster if cluster is not None else ClusterSpec.local(1, len(jax.devices()))
         if mesh_shape is not None:
@@ -81,22 +107,71 @@ class ParallelizedStep:
         self.mesh_shape = mesh_shape
         self.method = method
         self.memory_budget = memory_budget
-        self.current_plan: Plan | None = None
+        self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
-        self._compiled: CompiledPlan | None = None
+        self._compiled: CompiledPlan | CompiledPipeline | None = None
+        self._problems: dict[Any, Any] = {}
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
     # ----- tracing and planning ----------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        return self.microbatches is not None
+
     def trace(self, *args: Any) -> OpGraph:
-        """The op graph of ``fn(*args)`` (traced once per argument shapes and dtypes)."""
+        """The op graph of ``fn(*args)`` (traced once per argument shapes and dtypes).
+
+        A pipelined step is traced on one micro-batch, cut into layers (``auto_layers``).
+        """
         key = _signature(args)
         if key not in self._graphs:
-            self._graphs[key] = trace(self.fn, *args)
+            if self.pipelined:
+                micro, _ = microbatch_args(self.fn, args, self.microbatches)
+                with auto_layers(self.layers or DEFAULT_LAYERS):
+                    self._graphs[key] = trace(self.fn, *micro)
+            else:
+                self._graphs[key] = trace(self.fn, *args)
         return self._graphs[key]
+
+    def _plan_pipeline(self, args: tuple, pins: Mapping[str, str] | None, progress: Callable[[str], None] | None) -> PipelinePlan:
+        t0 = time.perf_counter()
+        graph = self.trace(*args)
+        _, split = microbatch_args(self.fn, args, self.microbatches)
+        traced = time.perf_counter() - t0
+        problem, stages, timeline = plan_pipeline(
+            graph,
+            self.cluster,
+            num_microbatches=self.microbatches,
+            schedule=self.schedule,
+            method=self.method,
+            max_stages=self.max_stages,
+            problem=self._problems.get(graph.fingerprint),
+            progress=progress,
+        )
+        self._problems[graph.fingerprint] = problem
+        plan = PipelinePlan(
+            fingerprint=graph.fingerprint,
+            method=self.method,
+            cluster=self.cluster.to_dict(),
+            num_microbatches=self.microbatches,
+            schedule=self.schedule,
+            num_layers=problem.slicing.num_layers,
+            stages=stages,
+            timeline=timeline,
+            split_inputs=tuple(p for p, s in zip(graph.in_paths, split) if s),
+            planning_seconds={"trace": traced, **problem.seconds},
+            problem=problem,
+        )
+        if pins:
+            plan = plan._replan(plan._current_stages(), pins, False)
+        return plan
 
     def plan(self, *args: Any, pins: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None) -> Plan:
         """Trace with ``args`` (arrays or ShapeDtypeStructs) and plan; the plan becomes current."""
+        if self.pipelined:
+            self.current_plan = self._plan_pipeline(args, pins, progress)
+            return self.current_plan
         graph = self.trace(*args)
         plan = plan_graph(
             graph,
@@ -116,6 +191,11 @@ class ParallelizedStep:
         A plan loaded from JSON gets the planner state back, so it can be edited again.
         With ``args`` the plan is checked against their program now; otherwise at the next call.
         """
+        if isinstance(plan, PipelinePlan):
+            if args and plan.fingerprint != self.trace(*args).fingerprint:
+                raise ValueError("this pipeline plan was made for another program; re-plan with step.plan(*args)")
+            self.current_plan = plan
+            return plan
         if args:
             graph = self.trace(*args)
             plan.check_program(graph)
@@ -137,12 +217,31 @@ class ParallelizedStep:
         return self.current_plan
 
     # ----- running ---------------------------------------------------------------------
-    def compiled(self, *args: Any) -> CompiledPlan:
+    def compiled(self, *args: Any) -> CompiledPlan | CompiledPipeline:
         """The current plan compiled for ``args`` (planned first if there is no plan yet)."""
         graph = self.trace(*args)
         if self.current_plan is None:
             self.plan(*args)
         plan = self._require_plan()
+        if isinstance(plan, PipelinePlan):
+            if plan.fingerprint != graph.fingerprint:
+                raise ValueError(
+                    "the current pipeline plan was made for another program (other argument shapes or code); "
+                    "re-plan with step.plan(*args)"
+                )
+            if self._compiled is None or getattr(self._compiled, "plan", None) is not plan:
+                sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+                old = self._compiled
+                if isinstance(old, CompiledPipeline) and [st.plan for st in old.stages] == [st.plan for st in plan.stages] and [
+                    st.device_ids for st in old.stages
+                ] == [st.device_ids for st in plan.stages]:
+                    compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan)  # same tasks
+                else:
+                    _, split = microbatch_args(self.fn, args, self.microbatches)
+                    compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, split)
+                    compiled.plan = plan
+                self._compiled = compiled
+            return self._compiled
         plan.check_program(graph)  # other shapes are another program: say so, run nothing
         if self._compiled is None or self._compiled.plan is not plan:
             self._compiled = compile_plan(graph, plan)
@@ -159,6 +258,41 @@ class ParallelizedStep:
         return self.compiled(*args).lower_text(*jax.tree_util.tree_leaves(args))
 
 
+def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[tuple, tuple[bool, ...]]:
+    """``args`` as one micro-batch (ShapeDtypeStructs), and which flat leaves were split.
+
+    The batch is every argument leaf that the step does not return in place (not train
+    state) whose leading dimension is the batch size (the largest such dimension); other
+    data (a scalar learning rate, a key) is passed whole to every micro-batch.
+    """
+    flat, tree = jax.tree_util.tree_flatten_with_path(args)
+    out = jax.eval_shape(fn, *args)
+    state = {
+        _path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
+    }
+    data = [
+        i
+        for i, (p, x) in enumerate(flat)
+        if state.get(_path_str(p)) != (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+        and getattr(x, "ndim", 0) >= 1
+    ]
+    if not data:
+        raise ValueError("the step has no batch to split into micro-batches: every argument is returned as state")
+    batch = max(flat[i][1].shape[0] for i in data)
+    split = tuple(i in data and x.shape[0] == batch for i, (_, x) in enumerate(flat))
+    if batch % num_microbatches:
+        raise ValueError(
+            f"microbatches={num_microbatches} does not divide the batch size {batch} "
+            f"(leading dimension of {', '.join(_path_str(flat[i][0]) for i in data if split[i])}); "
+            f"choose a divisor of {batch}"
+        )
+    micro = [
+        jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]) if s else tuple(x.shape), x.dtype)
+        for (_, x), s in zip(flat, split)
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro), split
+
+
 def _signature(args: Iterable[Any]) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(args)
     return tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
@@ -171,10 +305,29 @@ def parallelize(
     mesh_shape: tuple[int, int] | None = None,
     method: str = "alpa",
     memory_budget: float | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    layers: int | None = None,
+    max_stages: int | None = None,
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
-    """Wrap a training step for planning and sharded execution (usable as a decorator)."""
+    """Wrap a training step for planning and sharded execution (usable as a decorator).
+
+    With ``microbatches`` the step is pipelined: cut into ``layers`` layers (default 8, or
+    the hand-placed ``mark_stage_boundary`` cuts), sliced into stages on sub-meshes by the
+    inter-op DP, each stage sharded by the intra-op ILP, run with ``schedule``.
+    """
 
     def wrap(f: Callable) -> ParallelizedStep:
-        return ParallelizedStep(f, cluster, mesh_shape=mesh_shape, method=method, memory_budget=memory_budget)
+        return ParallelizedStep(
+            f,
+            cluster,
+            mesh_shape=mesh_shape,
+            method=method,
+            memory_budget=memory_budget,
+            microbatches=microbatches,
+            schedule=schedule,
+            layers=layers,
+            max_stages=max_stages,
+        )
 
     return wrap(fn) if fn is not None else wrap

@@ -243,7 +243,8 @@ class Plan:
         if self.unplanned_primitives:
             lines.append("  no sharding rule (planned replicated): " + ", ".join(self.unplanned_primitives))
         if self.rewrites:
-            lines.append(f"  post-ILP rewrites: {len(self.rewrites)} (" + "; ".join(self.rewrites[:3]) + (" ..." if len(self.rewrites) > 3 else "") + ")")
+            more = " ..." if len(self.rewrites) > 3 else ""
+            lines.append(f"  post-ILP rewrites: {len(self.rewrites)} (" + "; ".join(self.rewrites[:3]) + more + ")")
         heavy = [o for o in self.ops if o.kind == "op" and (o.collectives or o.primitive in ("dot_general", "conv_general_dilated"))]
         lines.append(f"  {'op':<22} {'strategy':<30} {'comm':>10}  collectives")
         for o in heavy[:max_rows]:
@@ -573,3 +574,191 @@ def make_plan(
         rewrites=solved.rewrites,
         problem=sg,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# The two-level plan: pipeline stages, each with its own intra-op Plan
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """A planned stage: its layers [start, end), where it runs, its plan and figures."""
+
+    index: int
+    layers: tuple[int, int]
+    submesh_shape: tuple[int, int]
+    logical_shape: tuple[int, int]
+    device_ids: tuple[int, ...]
+    plan: Plan
+    forward_time: float
+    backward_time: float
+    apply_time: float
+    weight_memory: float
+    activation_memory: float
+    in_flight: int
+
+    @property
+    def memory_per_device(self) -> float:
+        """Eq. 5: weights and optimizer state plus the activations of every micro-batch in flight."""
+        return self.weight_memory + self.in_flight * self.activation_memory
+
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages on sub-meshes, a ``Plan`` per stage, and the schedule that runs them.
+
+    ``stages[i].layers`` is the half-open layer range [start, end); ``pin_stages`` takes
+    inclusive [first, last] pairs, as a user reads them. Made by ``ParallelizedStep.plan``
+    when the step is pipelined (``microbatches=``); its edits return new plans.
+    """
+
+    fingerprint: str
+    method: str
+    cluster: Mapping[str, Any]
+    num_microbatches: int
+    schedule: str
+    num_layers: int
+    stages: tuple[StageResult, ...]
+    timeline: Any
+    split_inputs: tuple[str, ...]
+    """argument paths cut into micro-batches along axis 0 (the batch)."""
+    stage_pins: bool = False
+    planning_seconds: Mapping[str, float] = field(default_factory=dict)
+    problem: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def estimated_step_time(self) -> float:
+        """Predicted seconds per step: the schedule's makespan, then the slowest stage's update."""
+        return self.timeline.makespan + max(st.apply_time for st in self.stages)
+
+    @property
+    def latency(self) -> float:
+        """Eq. 2 of the Alpa paper: sum of stage times + (B - 1) x the slowest stage."""
+        times = [st.forward_time + st.backward_time for st in self.stages]
+        return sum(times) + (self.num_microbatches - 1) * max(times)
+
+    @property
+    def memory_per_device(self) -> float:
+        """Bytes on the fullest device (eq. 5 per stage; ``stages[i].memory_per_device``)."""
+        return max(st.memory_per_device for st in self.stages)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+    @property
+    def pins(self) -> tuple[tuple[str, str], ...]:
+        return tuple(p for st in self.stages for p in st.plan.pins)
+
+    def stage_of(self, op: str) -> int:
+        """The stage whose plan holds op (or argument) ``op``."""
+        for st in self.stages:
+            if any(o.name == op for o in st.plan.ops):
+                return st.index
+        names = [o.name for st in self.stages for o in st.plan.ops]
+        raise PinError(f"no op or argument named {op!r} in this plan{did_you_mean(op, names)}", (op,))
+
+    def summary(self) -> str:
+        lines = [
+            f"Pipeline plan ({self.method}) for program {self.fingerprint} on {self.cluster.get('name', '?')}: "
+            f"{self.num_stages} stages, {self.num_layers} layers, {self.num_microbatches} micro-batches, "
+            f"schedule {self.schedule}",
+            f"  predicted step time {self.estimated_step_time * 1e3:.3f} ms (eq. 2 latency {self.latency * 1e3:.3f} ms, "
+            f"bubble {self.bubble_fraction:.0%}); memory/device up to {_fmt_bytes(self.memory_per_device)}",
+            f"  {'stage':<6} {'layers':<9} {'sub-mesh':<9} {'logical':<8} {'devices':<18} {'fwd ms':>8} {'bwd ms':>8} "
+            f"{'update ms':>9} {'memory':>10}",
+        ]
+        for st in self.stages:
+            devs = ",".join(map(str, st.device_ids))
+            lines.append(
+                f"  {st.index:<6} {f'{st.layers[0]}..{st.layers[1] - 1}':<9} "
+                f"{f'{st.submesh_shape[0]}x{st.submesh_shape[1]}':<9} {f'{st.logical_shape[0]}x{st.logical_shape[1]}':<8} "
+                f"{devs[:18]:<18} {st.forward_time * 1e3:8.3f} {st.backward_time * 1e3:8.3f} {st.apply_time * 1e3:9.3f} "
+                f"{_fmt_bytes(st.memory_per_device):>10}"
+            )
+        if self.pins:
+            lines.append("  pins: " + ", ".join(f"{k}={v!r}" for k, v in self.pins))
+        return "\n".join(lines)
+
+    # ----- editing -------------------------------------------------------------------
+    def _require_problem(self) -> Any:
+        if self.problem is None:
+            raise PlanFormatError("this pipeline plan has no planner state attached; re-plan it with its step")
+        return self.problem
+
+    def _replan(self, stages: list, pins: Mapping[str, str], stage_pins: bool, schedule: str | None = None) -> PipelinePlan:
+        from alpa_lab.cost.cluster import ClusterSpec
+        from alpa_lab.passes.pipeline import check_memory, plan_stages
+
+        problem = self._require_problem()
+        schedule = schedule or self.schedule
+        results, timeline = plan_stages(
+            problem, stages, num_microbatches=self.num_microbatches, schedule=schedule, method=self.method, pins=pins
+        )
+        check_memory(results, ClusterSpec(**self.cluster))
+        return dataclasses.replace(self, stages=results, timeline=timeline, stage_pins=stage_pins, schedule=schedule)
+
+    def with_schedule(self, schedule: str) -> PipelinePlan:
+        """The same stages run with another schedule (re-simulated; memory re-checked, eq. 5)."""
+        return self._replan(self._current_stages(), dict(self.pins), self.stage_pins, schedule)
+
+    def _current_stages(self) -> list:
+        return [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in self.stages]
+
+    def pin_stages(
+        self,
+        layers: Any,
+        submeshes: Any = None,
+        logical_shapes: Any = None,
+    ) -> PipelinePlan:
+        """A new plan with the stage boundaries fixed: ``layers`` is ``[[first, last], ...]``.
+
+        ``submeshes`` (e.g. ``[(1, 4), (1, 4)]``) default to an even split of the cluster;
+        each stage's logical mesh is the cheapest unless ``logical_shapes`` says. Each
+        stage is re-planned (cached stages are reused); memory is checked (eq. 5).
+        """
+        from alpa_lab.passes.pipeline import fixed_stages
+
+        stages = fixed_stages(self._require_problem(), layers, submeshes, logical_shapes)
+        return self._replan(stages, dict(self.pins), True)
+
+    def pin(self, op: str, strategy: str) -> PipelinePlan:
+        """A new plan with ``op`` fixed to ``strategy``; only ``op``'s stage is re-solved."""
+        self.stage_of(op)  # a clear error for an unknown name
+        return self._replan(self._current_stages(), {**dict(self.pins), op: strategy}, self.stage_pins)
+
+    def unpin(self, op: str) -> PipelinePlan:
+        pins = dict(self.pins)
+        if op not in pins:
+            raise PinError(f"{op!r} is not pinned; pinned: {', '.join(pins) or 'nothing'}", (op,))
+        del pins[op]
+        return self._replan(self._current_stages(), pins, self.stage_pins)
+
+    def diff(self, other: PipelinePlan) -> str:
+        """What changed between two pipeline plans: stages, then each stage's op strategies."""
+        lines = []
+        if self._current_stages() != other._current_stages():
+            for a, b in zip(self.stages, other.stages):
+                if (a.layers, a.submesh_shape, a.logical_shape) != (b.layers, b.submesh_shape, b.logical_shape):
+                    lines.append(
+                        f"stage {a.index}: layers {a.layers[0]}..{a.layers[1] - 1} on {a.submesh_shape} as {a.logical_shape} "
+                        f"-> layers {b.layers[0]}..{b.layers[1] - 1} on {b.submesh_shape} as {b.logical_shape}"
+                    )
+            if len(self.stages) != len(other.stages):
+                lines.append(f"{len(self.stages)} stages -> {len(other.stages)} stages")
+        else:
+            for a, b in zip(self.stages, other.stages):
+                d = a.plan.diff(b.plan)
+                if d.changes:
+                    lines.append(f"stage {a.index}: {d}")
+        lines.append(
+            f"predicted step time {self.estimated_step_time * 1e3:.3f} ms -> {other.estimated_step_time * 1e3:.3f} ms "
+            f"({_signed_pct(self.estimated_step_time, other.estimated_step_time)})"
+        )
+        return "\n".join(lines)

@@ -9,9 +9,13 @@ the same run rather than absolute claims):
    baseline (b) ``brute_force_stages`` on the smallest case (time and that it matches).
 2. Layering DP (``cluster_layers``, eq. 6) on synthetic GPT-like op chains of K ops,
    against ``brute_force_layers`` on tiny K (the only sizes it can do).
-3. Pipeline schedules (gpipe, 1f1b, eager_1f1b): simulated makespan and bubble fraction
-   with forward 1, backward 2, transfer 0.5, peak in-flight micro-batches on stage 0,
-   and ``check`` seconds; ratios against gpipe.
+3. Pipeline schedules (gpipe, 1f1b, eager_1f1b, and beyond Alpa interleaved_1f1b with
+   v = 2 chunks per mesh and zb_h1): simulated makespan and bubble fraction with forward
+   1, backward 2 (zb_h1: split into B 1 and W 1), transfer 0.5 per message, peak
+   in-flight micro-batches on mesh 0 (full forward stashes; "unfreed" adds ZB's
+   micro-batches waiting for W), and ``check`` seconds; ratios against gpipe. S is the
+   number of meshes; interleaved runs 2 S virtual stages at half the times each (the
+   same work), its memory counted in whole-stage micro-batches (chunks / v).
 
     python benchmarks/pipeline_passes.py [--quick | --full] [--repeats 3] [--microbatches 16]
 """
@@ -268,30 +272,39 @@ def table_layering(sizes, layer_counts, brute_sizes, repeats: int) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def table_schedules(stage_counts, mb_counts, repeats: int, fwd=1.0, bwd=2.0, xfer=0.5) -> None:
+def table_schedules(stage_counts, mb_counts, repeats: int, fwd=1.0, bwd=2.0, xfer=0.5, chunks=2) -> None:
     print(
         f"\n[3] pipeline schedules: simulate(forward {fwd:g}, backward {bwd:g}, transfer {xfer:g}); "
-        "ratios vs gpipe of the same (S, M)"
+        f"ratios vs gpipe of the same (S, M); interleaved: v = {chunks} chunks per mesh"
     )
     header = (
-        f"{'S':>3} {'M':>4} {'schedule':>11} {'makespan':>9} {'/gpipe':>7} {'bubble':>7} "
-        f"{'peak st0':>8} {'/gpipe':>7} {'check s':>8}"
+        f"{'S':>3} {'M':>4} {'schedule':>16} {'makespan':>9} {'/gpipe':>7} {'bubble':>7} "
+        f"{'peak st0':>8} {'/gpipe':>7} {'unfreed0':>8} {'check s':>8}"
     )
     print(header)
     print("-" * len(header))
     for S in stage_counts:
         for M in mb_counts:
             ref = None
-            for name in ("gpipe", "1f1b", "eager_1f1b"):
-                sched = make_schedule(name, S, M)
-                tl = simulate(sched, fwd, bwd, xfer)
+            for name in ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zb_h1"):
+                if name == "interleaved_1f1b":
+                    if M % S:
+                        continue
+                    v = chunks
+                    sched = make_schedule(name, v * S, M, num_meshes=S)
+                else:
+                    v = 1
+                    sched = make_schedule(name, S, M)
+                tl = simulate(sched, fwd / v, bwd / v, xfer)
                 _, check_s = median_time(lambda: check(sched), repeats)  # noqa: B023 (called at once)
                 if ref is None:
                     ref = tl
+                peak = tl.mesh_peak_in_flight[0] / v
+                unfreed = tl.mesh_peak_unfreed[0] / v
                 print(
-                    f"{S:>3} {M:>4} {name:>11} {tl.makespan:>9.1f} {tl.makespan / ref.makespan:>7.3f} "
-                    f"{tl.bubble_fraction:>7.3f} {tl.peak_in_flight[0]:>8} "
-                    f"{tl.peak_in_flight[0] / ref.peak_in_flight[0]:>7.3f} {check_s:>8.4f}",
+                    f"{S:>3} {M:>4} {name:>16} {tl.makespan:>9.1f} {tl.makespan / ref.makespan:>7.3f} "
+                    f"{tl.bubble_fraction:>7.3f} {peak:>8g} "
+                    f"{peak / ref.peak_in_flight[0]:>7.3f} {unfreed:>8g} {check_s:>8.4f}",
                     flush=True,
                 )
 

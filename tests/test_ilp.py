@@ -38,7 +38,10 @@ def random_graph(rng: np.random.Generator) -> CostGraph:
 def random_allowed(rng: np.random.Generator, graph: CostGraph) -> dict[int, set[int]]:
     nodes = rng.choice(graph.num_nodes, size=int(rng.integers(1, graph.num_nodes + 1)), replace=False)
     return {
-        int(v): {int(i) for i in rng.choice(len(graph.node_costs[v]), size=int(rng.integers(1, len(graph.node_costs[v]) + 1)), replace=False)}
+        int(v): {
+            int(i)
+            for i in rng.choice(len(graph.node_costs[v]), size=int(rng.integers(1, len(graph.node_costs[v]) + 1)), replace=False)
+        }
         for v in nodes
     }
 

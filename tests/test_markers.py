@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import alpa_lab as al
-from alpa_lab.graph.markers import pipeline_marker_p
+from alpa_lab.graph.markers import LOSS, pipeline_marker_p
 from alpa_lab.sharding.rules import is_follower, strategies_for
 from alpa_lab.sharding.spec import ShardingSpec
 
@@ -120,7 +120,9 @@ def test_vmap_jvp_and_compile():
     out = jax.jvp(lambda a: al.mark_stage_boundary(a, jnp.arange(3))[0], (z,), (t,))[1]
     np.testing.assert_array_equal(out, t)
     # second order goes through the marker too
-    f = lambda a: jnp.sum(jnp.sin(al.mark_stage_boundary(a)) ** 2)
+    def f(a):
+        return jnp.sum(jnp.sin(al.mark_stage_boundary(a)) ** 2)
+
     np.testing.assert_allclose(
         jax.hessian(f)(jnp.arange(3.0)), jax.hessian(lambda a: jnp.sum(jnp.sin(a) ** 2))(jnp.arange(3.0)), rtol=1e-6
     )
@@ -141,8 +143,12 @@ def test_trace_has_boundary_mirror_and_gradient_markers():
     graph = al.trace(train_step, params, x, y)
     markers = [op for op in graph.ops if op.primitive == "pipeline_marker"]
     assert all(op.bind is pipeline_marker_p for op in markers)
-    boundary = [op for op in markers if op.params["kind"] == "boundary"]
+    boundary = [op for op in markers if op.params["kind"] == "boundary" and op.params["name"] != LOSS]
     assert all(op.params["name"] == "layer1" for op in boundary)
+    # the loss is marked too: forward once, and its mirror (the cotangent seed) in the backward
+    loss = [op for op in markers if op.params["name"] == LOSS]
+    assert len(loss) == 2 and graph.vars[loss[1].outputs[0]].shape == ()
+    assert loss[0].index < boundary[-1].index and loss[1].index > boundary[0].index
     forward = [op for op in boundary if op.label.startswith("jvp(")]
     backward = [op for op in boundary if op.label.startswith("transpose(")]
     assert len(forward) == 1 and len(backward) == 1, [op.label for op in boundary]
@@ -182,8 +188,17 @@ def test_marker_rule_single_operand_follows_producer():
         assert s.communication_cost == 0.0 and not s.collectives
 
 
+def test_mark_stage_boundary_marks_each_leaf_on_its_own():
+    """One marker per tensor, so each keeps its own sharding across the boundary."""
+    graph = al.trace(lambda a, b: al.mark_stage_boundary(a, b), jnp.ones((8, 16)), jnp.ones(4))
+    assert [op.primitive for op in graph.ops] == ["pipeline_marker"] * 2
+    assert all(len(op.inputs) == 1 and is_follower(op) for op in graph.ops)
+
+
 def test_marker_rule_several_operands():
-    same = al.trace(lambda a, b: al.mark_stage_boundary(a, b), jnp.ones((8, 16)), jnp.ones((8, 16)))
+    from alpa_lab.graph.markers import mark
+
+    same = al.trace(lambda a, b: mark([a, b], "boundary"), jnp.ones((8, 16)), jnp.ones((8, 16)))
     op = same.ops[0]
     assert op.primitive == "pipeline_marker" and not is_follower(op)
     strategies = strategies_for(op, same, _mesh22())
@@ -192,7 +207,7 @@ def test_marker_rule_several_operands():
         assert s.input_specs == s.output_specs
         assert len(set(s.output_specs)) == 1  # all operands share one spec
 
-    mixed = al.trace(lambda a, b: al.mark_stage_boundary(a, b), jnp.ones((8, 16)), jnp.ones(4))
+    mixed = al.trace(lambda a, b: mark([a, b], "boundary"), jnp.ones((8, 16)), jnp.ones(4))
     strategies = strategies_for(mixed.ops[0], mixed, _mesh22())
     assert len(strategies) == 1
     (only,) = strategies

@@ -76,7 +76,9 @@ def test_weight_update_rewrite_from_data_parallel(big):
     def all_reduced_dots(p):
         return [o.name for o in p.ops if o.primitive == "dot_general" and any(c.kind == "all-reduce" for c in o.collectives)]
 
-    assert all_reduced_dots(dp) and not all_reduced_dots(plan)
+    # (data parallel all-reduces each weight gradient, or, at equal cost, reduce-scatters it
+    # and all-gathers the replicated update: the ILP may break that tie either way)
+    assert not all_reduced_dots(plan)
     assert kinds["reduce-scatter"] >= 1 and kinds["all-gather"] >= 3
     # and it still computes the same step
     step.use(plan)

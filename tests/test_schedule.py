@@ -9,16 +9,21 @@ import pytest
 
 from alpa_lab.passes.schedule import (
     BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
+    PHASES,
     Instruction,
     Schedule,
     ScheduleError,
     check,
     eager_one_f_one_b,
     gpipe,
+    interleaved_one_f_one_b,
     make_schedule,
     one_f_one_b,
     simulate,
+    zb_h1,
 )
 
 NAMES = ("gpipe", "1f1b", "eager_1f1b")
@@ -167,3 +172,256 @@ def test_bad_arguments():
         Instruction("JUMP", 0, 0, FORWARD)
     with pytest.raises(ValueError, match="unknown phase"):
         Instruction("RUN", 0, 0, "sideways")
+
+
+# ---------------------------------------------------------------------------------------
+# Interleaved 1F1B (Megatron-LM, SC'21): S = P v virtual stages, stage s on mesh s % P
+# ---------------------------------------------------------------------------------------
+
+# P meshes, v chunks per mesh, M a multiple of P up to 12
+INTERLEAVED_GRID = [(P, v, M) for P in range(1, 5) for v in range(1, 4) for M in range(P, 13, P)]
+
+
+def _interleaved(P: int, v: int, M: int) -> Schedule:
+    return make_schedule("interleaved_1f1b", P * v, M, num_meshes=P)
+
+
+def test_interleaved_checks_and_respects_dependencies():
+    xfer = 0.5
+    for P, v, M in INTERLEAVED_GRID:
+        S = P * v
+        sched = _interleaved(P, v, M)
+        assert sched.num_meshes == P and sched.mesh_of_stage == tuple(s % P for s in range(S))
+        assert all(sched.stages_of(p) == tuple(range(p, S, P)) for p in range(P))
+        rep = check(sched)
+        assert (rep.num_stages, rep.num_microbatches, rep.num_meshes) == (S, M, P)
+        tl = simulate(sched, 1.0, 2.0, xfer)
+        runs = [r for r in tl.records if r.kind == "RUN"]
+        keys = [(r.stage, r.phase, r.microbatch) for r in runs]
+        assert len(keys) == len(set(keys)) == 2 * S * M  # every (stage, phase, mb) exactly once
+        assert all(r.mesh == r.stage % P for r in tl.records)
+        for s in range(S):
+            for m in range(M):
+                f, b = tl.run(s, FORWARD, m), tl.run(s, BACKWARD, m)
+                assert b.start >= f.end
+                # a hand-over between meshes pays the transfer, one within a mesh does not
+                if s > 0:
+                    assert f.start >= tl.run(s - 1, FORWARD, m).end + (xfer if P > 1 else 0.0)
+                if s < S - 1:
+                    assert b.start >= tl.run(s + 1, BACKWARD, m).end + (xfer if P > 1 else 0.0)
+        for p in range(P):  # a mesh runs one thing at a time, across all its chunks
+            rs = [r for r in runs if r.mesh == p]
+            assert len(rs) == 2 * v * M
+            assert all(a.end <= b.start for a, b in itertools.pairwise(rs))
+        if P == 1:  # all chunks on one mesh: nothing to send
+            assert all(i.kind in ("RUN", "FREE") for i in sched.instructions[0])
+
+
+def test_interleaved_clock_count_and_bubble_shrink_by_v():
+    """Chunk times f = 1, b = 2, no transfer: makespan (M v + P - 1)(f + b).
+
+    Against 1F1B on the same P meshes doing the same work (each mesh-stage is v chunks:
+    F = v f, B = v b), whose makespan is (M + P - 1)(F + B): the work M v (f + b) per
+    mesh is the same, the bubble time drops from (P - 1)(F + B) to (P - 1)(f + b), a
+    factor v, as Megatron-LM claims.
+    """
+    for P, v, M in INTERLEAVED_GRID:
+        sched = _interleaved(P, v, M)
+        tl = simulate(sched, 1.0, 2.0)
+        assert tl.makespan == pytest.approx(3 * (M * v + P - 1))
+        assert tl.bubble_fraction == pytest.approx((P - 1) / (M * v + P - 1))
+        assert tl.mesh_bubble_fractions == pytest.approx([(P - 1) / (M * v + P - 1)] * P)
+        assert check(sched).clock_count == pytest.approx(3 * (M * v + P - 1))
+        base = simulate(one_f_one_b(P, M), float(v), 2.0 * v)
+        work = M * v * 3
+        assert base.makespan == pytest.approx(3 * v * (M + P - 1))
+        assert base.makespan - work == pytest.approx(v * (tl.makespan - work))
+        if P > 1 and v > 1:
+            assert tl.bubble_fraction < base.bubble_fraction - 1e-9
+        else:
+            assert tl.bubble_fraction == pytest.approx(base.bubble_fraction)
+
+
+def test_interleaved_warmup_and_memory_follow_megatron():
+    """Mesh p runs (v - 1) P + 2 (P - p - 1) warm-up forwards, then one more before its
+    first backward (all M v forwards when M = P); that is also its peak in-flight chunks."""
+    for P, v, M in INTERLEAVED_GRID:
+        rep = check(_interleaved(P, v, M))
+        expect = tuple(
+            M * v if M == P else min((v - 1) * P + 2 * (P - p - 1) + 1, M * v) for p in range(P)
+        )
+        assert rep.mesh_warmup_forwards == expect
+        assert rep.mesh_peak_in_flight == expect
+        assert len(rep.peak_in_flight) == P * v
+        assert rep.peak_unfreed == rep.peak_in_flight  # fused backward: FREE right after it
+        assert rep.mesh_peak_unfreed == rep.mesh_peak_in_flight
+
+
+def test_interleaved_program_order_per_mesh():
+    sched = interleaved_one_f_one_b(4, 4, 2)  # P = 2, v = 2
+    # Megatron's order: groups of P micro-batches through chunk 0 then chunk 1
+    fwd0 = [(s, m) for s, ph, m in sched.mesh_runs(0) if ph == FORWARD]
+    assert fwd0 == [(0, 0), (0, 1), (2, 0), (2, 1), (0, 2), (0, 3), (2, 2), (2, 3)]
+    bwd0 = [(s, m) for s, ph, m in sched.mesh_runs(0) if ph == BACKWARD]
+    assert bwd0 == [(2, 0), (2, 1), (0, 0), (0, 1), (2, 2), (2, 3), (0, 2), (0, 3)]
+    assert sched.runs(2) == tuple((ph, m) for s, ph, m in sched.mesh_runs(0) if s == 2)
+
+
+def test_interleaved_arguments():
+    with pytest.raises(ScheduleError, match="num_stages 6 must be a multiple of num_meshes 4"):
+        make_schedule("interleaved_1f1b", 6, 4, num_meshes=4)
+    with pytest.raises(ValueError, match="num_microbatches 5 must be a multiple of num_meshes 3"):
+        make_schedule("interleaved_1f1b", 6, 5, num_meshes=3)
+    with pytest.raises(ValueError, match="needs num_meshes"):
+        make_schedule("interleaved_1f1b", 4, 4)
+    with pytest.raises(ValueError, match="num_meshes must be an int"):
+        interleaved_one_f_one_b(4, 4, 2.0)
+    with pytest.raises(ValueError, match="one stage per mesh: num_meshes must be 4 or None"):
+        make_schedule("1f1b", 4, 4, num_meshes=2)
+    assert make_schedule("zb_h1", 4, 4, num_meshes=4) == zb_h1(4, 4)
+    prog = ((Instruction("RUN", 0, 0, FORWARD),),)
+    with pytest.raises(ValueError, match="mesh_of_stage has 1 entries for 2 stages"):
+        Schedule("x", 2, 1, prog, (0,))
+    with pytest.raises(ValueError, match="must name meshes 0..0"):
+        Schedule("x", 2, 1, prog, (0, 1))
+    with pytest.raises(ValueError, match=r"meshes \[1\] run no stage"):
+        Schedule("x", 2, 1, prog + ((),), (0, 0))
+
+
+def _replace_mesh(sched: Schedule, mesh: int, prog) -> Schedule:
+    lists = list(sched.instructions)
+    lists[mesh] = tuple(prog)
+    return dataclasses.replace(sched, instructions=tuple(lists))
+
+
+def test_interleaved_structural_errors():
+    one = interleaved_one_f_one_b(2, 2, 1)  # two chunks on one mesh: hand-over in memory
+    prog = list(one.instructions[0])
+    i = prog.index(Instruction("RUN", 0, 0, FORWARD))
+    j = prog.index(Instruction("RUN", 1, 0, FORWARD))
+    prog[i], prog[j] = prog[j], prog[i]
+    bad = _replace_mesh(one, 0, prog)
+    with pytest.raises(ScheduleError, match=r"mesh 0 runs forward of \(stage 1, micro-batch 0\) before"):
+        check(bad)
+    with pytest.raises(ScheduleError, match=r"deadlocks: stuck meshes \[0\]: mesh 0 waits at RUN forward mb 0 on stage 1"):
+        simulate(bad)
+    prog = list(one.instructions[0]) + [Instruction("SEND", 0, 0, FORWARD, 1)]
+    with pytest.raises(ScheduleError, match="stages 0 and 1 share mesh 0"):
+        check(_replace_mesh(one, 0, prog))
+    two = interleaved_one_f_one_b(4, 2, 2)
+    with pytest.raises(ScheduleError, match="is in mesh 1's list"):
+        check(_replace_mesh(two, 1, [Instruction("RUN", 0, 0, FORWARD)] + list(two.instructions[1])))
+    # both chunk boundaries 0->1 and 2->3 ride the channel mesh 0 -> mesh 1: receiving
+    # stage 3's activation before stage 1's works when matched by tag, not in order
+    prog = list(two.instructions[1])
+    a = prog.index(Instruction("RECV", 1, 1, FORWARD, 0))
+    b = prog.index(Instruction("RECV", 3, 0, FORWARD, 2))
+    prog.insert(a, prog.pop(b))
+    bad = _replace_mesh(two, 1, prog)
+    simulate(bad)
+    with pytest.raises(ScheduleError, match="channel mesh 0 -> mesh 1: message #1.*order must match"):
+        check(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# ZB-H1 (Zero Bubble Pipeline Parallelism, ICLR'24): backward split into B and W
+# ---------------------------------------------------------------------------------------
+
+
+def test_zb_h1_checks_and_respects_dependencies():
+    xfer = 0.5
+    for S, M in GRID:
+        sched = make_schedule("zb_h1", S, M)
+        assert sched.split_backward
+        rep = check(sched)
+        assert rep.num_stages == S and rep.num_microbatches == M
+        tl = simulate(sched, 1.0, 2.0, xfer)  # B = W = 1
+        runs = [r for r in tl.records if r.kind == "RUN"]
+        keys = [(r.stage, r.phase, r.microbatch) for r in runs]
+        assert len(keys) == len(set(keys)) == 3 * S * M
+        assert {k[1] for k in keys} == {FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT}
+        for s in range(S):
+            prog = sched.instructions[s]
+            for m in range(M):
+                f = tl.run(s, FORWARD, m)
+                b = tl.run(s, BACKWARD_INPUT, m)
+                w = tl.run(s, BACKWARD_WEIGHT, m)
+                assert f.end <= b.start and b.end <= w.start
+                if s > 0:
+                    assert f.start >= tl.run(s - 1, FORWARD, m).end + xfer
+                    # the gradient goes out right after B, before W
+                    send = prog.index(Instruction("SEND", s, m, BACKWARD_INPUT, s - 1))
+                    assert prog[send - 1] == Instruction("RUN", s, m, BACKWARD_INPUT)
+                if s < S - 1:
+                    assert b.start >= tl.run(s + 1, BACKWARD_INPUT, m).end + xfer
+                free = prog.index(Instruction("FREE", s, m, BACKWARD_WEIGHT))
+                assert prog[free - 1] == Instruction("RUN", s, m, BACKWARD_WEIGHT)
+            rs = [r for r in runs if r.stage == s]
+            assert all(a.end <= b.start for a, b in itertools.pairwise(rs))
+
+
+def test_zb_h1_memory_matches_1f1b():
+    """F and B run in 1F1B's order, so the full forward stash is bounded as in 1F1B; the
+    deferred Ws keep at most min(S, M) micro-batches unfreed, 1F1B's first-stage peak."""
+    for S, M in GRID:
+        rep = check(zb_h1(S, M))
+        base = check(one_f_one_b(S, M))
+        assert rep.peak_in_flight == base.peak_in_flight == tuple(min(S - i, M) for i in range(S))
+        assert rep.warmup_forwards == base.warmup_forwards
+        assert rep.peak_unfreed == rep.mesh_peak_unfreed == (min(S, M),) * S
+        assert max(rep.peak_unfreed) <= max(base.peak_unfreed)
+
+
+def test_zb_h1_clock_count():
+    """F = B = W = 1, no transfer: makespan 2 M + S - 1 + max(M, S), i.e. 3 M + S - 1 for
+    M >= S: bubble S - 1 per stage, the paper's (S - 1)(F + B - W), against 1F1B's
+    3 (M + S - 1) with a fused backward of 2."""
+    for S, M in GRID:
+        sched = zb_h1(S, M)
+        tl = simulate(sched, 1.0, 1.0, weight_time=1.0)
+        assert tl.makespan == pytest.approx(2 * M + S - 1 + max(M, S))
+        assert simulate(sched, 1.0, 2.0).makespan == pytest.approx(tl.makespan)  # None: split evenly
+        assert check(sched).clock_count == pytest.approx(tl.makespan)
+        one_f1b = simulate(one_f_one_b(S, M), 1.0, 2.0).makespan
+        assert one_f1b == pytest.approx(simulate(one_f_one_b(S, M), 1.0, 1.0, weight_time=1.0).makespan)
+        if S > 1:
+            assert tl.makespan < one_f1b
+        else:
+            assert tl.makespan == pytest.approx(one_f1b)
+        if M >= S:
+            assert tl.makespan == pytest.approx(3 * M + S - 1)
+            assert tl.bubble_fraction == pytest.approx((S - 1) / (3 * M + S - 1))
+            assert tl.mesh_bubble_fractions == pytest.approx([(S - 1) / (3 * M + S - 1)] * S)
+
+
+@pytest.mark.parametrize("F,B,W", [(1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (3.0, 2.0, 1.0), (1.0, 1.0, 0.5), (2.0, 3.0, 1.5)])
+def test_zb_h1_general_times(F, B, W):
+    """With W <= min(F, B) and M >= S the makespan is M (F + B + W) + (S - 1)(F + B - W)."""
+    for S, M in GRID:
+        if M >= S:
+            tl = simulate(zb_h1(S, M), F, B, weight_time=W)
+            assert tl.makespan == pytest.approx(M * (F + B + W) + (S - 1) * (F + B - W))
+
+
+def test_zb_h1_structural_errors():
+    assert PHASES == (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+    sched = zb_h1(1, 2)
+    prog = list(sched.instructions[0])
+    b0 = prog.index(Instruction("RUN", 0, 0, BACKWARD_INPUT))
+    w0 = prog.index(Instruction("RUN", 0, 0, BACKWARD_WEIGHT))
+    swapped = list(prog)
+    swapped[b0], swapped[w0] = swapped[w0], swapped[b0]
+    with pytest.raises(ScheduleError, match="runs the W of micro-batch 0 before its B"):
+        check(_replace_stage(sched, 0, swapped))
+    swapped = list(prog)
+    swapped[w0], swapped[w0 + 1] = swapped[w0 + 1], swapped[w0]  # FREE before W
+    with pytest.raises(ScheduleError, match="frees activations before the backward_weight"):
+        check(_replace_stage(sched, 0, swapped))
+    dropped = [i for i in prog if not (i.phase == BACKWARD_WEIGHT and i.microbatch == 1)]
+    with pytest.raises(ScheduleError, match=r"missing backward_weight of \(stage 0, micro-batch 1\)"):
+        check(_replace_stage(sched, 0, dropped))
+    mixed = [*prog, Instruction("RUN", 0, 1, BACKWARD)]
+    with pytest.raises(ScheduleError, match="backward is split into B and W"):
+        check(_replace_stage(sched, 0, mixed))
+    with pytest.raises(ValueError, match="weight_time has 1 entries for 2 stages"):
+        simulate(zb_h1(2, 2), weight_time=[1.0])

@@ -6,7 +6,14 @@ It survives differentiation: its JVP marks primals and tangents alike, and its t
 marks the cotangents, so a layer boundary in the forward pass has its mirror in the
 backward pass. ``value_and_grad``/``grad`` are drop-ins for JAX's that also mark every
 gradient leaf (kind ``"gradient"``, name ``"grad"``): where gradients are accumulated
-across micro-batches and the weight update begins.
+across micro-batches and the weight update begins. They also mark the loss (a boundary
+named ``"loss"``), whose mirror in the backward pass is where the backward starts.
+
+Automatic layering (Alpa's ``AutoLayerOption``): inside ``auto_layers(L)``, and when the
+loss function has no hand-placed boundaries, ``value_and_grad`` traces the loss function,
+clusters its ops into L layers by the DP of eq. 6 (``passes.layering``) and re-runs it
+with a boundary marker (``"layer1"`` ... ``"layer{L-1}"``) on every tensor crossing a
+layer boundary, before differentiating; so each layer's backward is delimited too.
 
 The sharding rule (``alpa_lab.sharding.rules.elementwise``) treats the marker as an
 element-wise identity: output i takes the spec of input i, with no communication.
@@ -14,7 +21,9 @@ element-wise identity: output i takes the spec of input i, with no communication
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +31,15 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["KINDS", "grad", "mark_stage_boundary", "pipeline_marker_p", "value_and_grad"]
+__all__ = ["KINDS", "LOSS", "auto_layers", "grad", "mark_stage_boundary", "pipeline_marker_p", "value_and_grad"]
+
+LOSS = "loss"
+"""Name of the boundary marker on the loss; its backward mirror starts the backward pass."""
+
+_MAX_UNITS = 1500
+"""Largest op count the layering DP clusters op by op (see ``_layered``)."""
+
+_AUTO_LAYERS: contextvars.ContextVar[int | None] = contextvars.ContextVar("alpa_lab_auto_layers", default=None)
 
 KINDS = ("boundary", "gradient")
 
@@ -100,12 +117,17 @@ def mark(xs: Sequence[Any], kind: str, name: str = "") -> list[Any]:
 def mark_stage_boundary(*xs: Any, name: str = "") -> Any:
     """Mark a pipeline-stage boundary on ``xs`` (arrays or pytrees of arrays).
 
+    Each leaf gets its own marker op (all with ``name``). Unnamed boundaries are told
+    apart by position: the markers of one call are adjacent in the program.
+
     Returns the marked values: one argument gives one value back, several give a tuple.
     """
     if not xs:
         raise TypeError("mark_stage_boundary needs at least one argument")
     leaves, tree = jax.tree_util.tree_flatten(xs)
-    marked = mark(leaves, "boundary", name)
+    _check_params("boundary", name)
+    # one marker per leaf, so each tensor keeps its own sharding across the boundary
+    marked = [pipeline_marker_p.bind(x, kind="boundary", name=name)[0] for x in leaves]
     out = jax.tree_util.tree_unflatten(tree, marked)
     return out[0] if len(xs) == 1 else tuple(out)
 
@@ -121,12 +143,98 @@ def _mark_gradients(grads: Any) -> Any:
     return jax.tree_util.tree_map(one, grads)
 
 
+@contextlib.contextmanager
+def auto_layers(num_layers: int | None) -> Iterator[None]:
+    """Within this block, ``value_and_grad`` cuts unmarked loss functions into layers."""
+    if num_layers is not None and (isinstance(num_layers, bool) or int(num_layers) != num_layers or num_layers < 1):
+        raise ValueError(f"the number of layers must be a positive integer, got {num_layers!r}")
+    token = _AUTO_LAYERS.set(num_layers)
+    try:
+        yield
+    finally:
+        _AUTO_LAYERS.reset(token)
+
+
+def _mark_loss(out: Any, has_aux: bool) -> Any:
+    if has_aux:
+        loss, aux = out
+        return mark([loss], "boundary", LOSS)[0], aux
+    return mark([out], "boundary", LOSS)[0]
+
+
+def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Callable:
+    """``fun`` re-run op by op with boundary markers between its ``num_layers`` layers.
+
+    Returns ``fun`` itself when it already has hand-placed boundaries (the user's layers win)
+    or has fewer ops than layers asked for.
+    """
+    from alpa_lab.graph.trace import trace
+    from alpa_lab.passes.layering import cluster_layers
+
+    graph = trace(lambda *a: fun(*a, **kwargs), *args, traced_consts=True)
+    if any(op.primitive == "pipeline_marker" and op.params["kind"] == "boundary" for op in graph.ops):
+        return fun
+    K = len(graph.ops)
+    if num_layers < 2 or K < num_layers:
+        return fun
+    # the DP is O(L K^2) in time and O(K^2) in memory: past _MAX_UNITS ops, cluster runs
+    # of consecutive ops (units) instead; boundaries then fall between units
+    size = -(-K // _MAX_UNITS)
+    units = -(-K // size)
+    flops = np.zeros(units)
+    for op in graph.ops:
+        flops[op.index // size] += op.flops
+    edges = [
+        (graph.vars[v].producer // size, op.index // size, float(graph.vars[v].nbytes))
+        for op in graph.ops
+        for v in op.inputs
+        if graph.vars[v].producer is not None and graph.vars[v].producer // size != op.index // size
+    ]
+    if units < num_layers:
+        return fun
+    bounds = [min(b * size, K) for b in cluster_layers(flops, edges, num_layers).boundaries]
+    last_use = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            last_use[v] = op.index
+    for v in graph.outvars:
+        last_use[v] = K
+    cuts = {b: k for k, b in enumerate(bounds[1:-1], start=1)}
+
+    def layered(*a: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(a)
+        env: dict[int, Any] = dict(graph.consts)
+        env.update(graph.literals)
+        env.update(zip(graph.invars, flat))
+        live: list[int] = []  # op-produced values some later op (or the result) reads
+        for op in graph.ops:
+            if op.index in cuts:
+                live = [v for v in live if last_use.get(v, -1) >= op.index]
+                for v in live:  # one marker per tensor: each keeps its own sharding
+                    if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact):
+                        env[v] = mark([env[v]], "boundary", f"layer{cuts[op.index]}")[0]
+            out = op.bind.bind(*(env[v] for v in op.inputs), **op.params)
+            outs = list(out) if op.bind.multiple_results else [out]
+            env.update(zip(op.outputs, outs))
+            live.extend(op.outputs)
+        return jax.tree_util.tree_unflatten(graph.out_tree, [env[v] for v in graph.outvars])
+
+    return layered
+
+
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
-    """``jax.value_and_grad`` that puts a gradient marker on every gradient leaf."""
-    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+    """``jax.value_and_grad`` that marks the loss and every gradient leaf (see module doc)."""
 
     def wrapped(*args: Any, **kw: Any) -> Any:
-        value, grads = vg(*args, **kw)
+        num_layers = _AUTO_LAYERS.get()
+        f = _layered(fun, num_layers, args, kw) if num_layers else fun
+        if f is not fun:
+            kw = {}  # the layered function closed over them
+
+        def marked(*a: Any, **k: Any) -> Any:
+            return _mark_loss(f(*a, **k), has_aux)
+
+        value, grads = jax.value_and_grad(marked, argnums=argnums, has_aux=has_aux, **kwargs)(*args, **kw)
         return value, _mark_gradients(grads)
 
     wrapped.__name__ = f"value_and_grad({getattr(fun, '__name__', 'fun')})"

@@ -46,11 +46,21 @@ class TraceError(ValueError):
     """The function could not be traced with the example arguments."""
 
 
-def trace(fn: Callable, *args: Any) -> OpGraph:
-    """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them)."""
+def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
+    """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them).
+
+    ``traced_consts`` lets ``fn`` close over tracers of an enclosing transformation (the
+    graph is then only valid inside that trace); ``value_and_grad``'s automatic layering
+    traces a loss function that way from inside the training step.
+    """
+    def fresh(*a: Any) -> Any:
+        # a new function each time: JAX caches traces by function identity, and the same
+        # step traced inside ``auto_layers`` is another program (it has layer markers)
+        return fn(*a)
+
     try:
         # return_shape: the output structure from the same trace (eval_shape would trace again)
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: "
@@ -58,7 +68,7 @@ def trace(fn: Callable, *args: Any) -> OpGraph:
         ) from exc
     flat_args, in_tree = jax.tree_util.tree_flatten_with_path(args)
     flat_out, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
-    builder = _Builder()
+    builder = _Builder(traced_consts)
     env: dict[Any, int] = {}
     invars = []
     try:
@@ -92,7 +102,8 @@ def _path_str(path: tuple) -> str:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, traced_consts: bool = False) -> None:
+        self.traced_consts = traced_consts
         self.vars: list[Var] = []
         self.ops: list[Op] = []
         self.consts: dict[int, Any] = {}
@@ -105,7 +116,8 @@ class _Builder:
 
         Inlining a jit body once per call site would otherwise copy its consts each time.
         """
-        if isinstance(value, jax.core.Tracer):
+        is_tracer = isinstance(value, jax.core.Tracer)
+        if is_tracer and not self.traced_consts:
             raise TraceError(
                 f"it closes over a traced value ({type(value).__name__} {aval.str_short()}) that escaped "
                 "its transformation, e.g. a custom_vjp/custom_jvp function closing over an array computed "
@@ -114,7 +126,7 @@ class _Builder:
         seen = self._const_ids.get(id(value))
         if seen is not None and seen[0] is value:
             return seen[1]
-        vid = self.new_var(aval, "const", value=np.asarray(value))
+        vid = self.new_var(aval, "const", value=value if is_tracer else np.asarray(value))
         self._const_ids[id(value)] = (value, vid)  # keeps value alive so its id is not reused
         return vid
 

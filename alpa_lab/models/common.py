@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from alpa_lab.graph.markers import value_and_grad
+
 PyTree = Any
 InitFn = Callable[[jax.Array], tuple[PyTree, PyTree]]
 """key -> (params, model_state): trainable parameters and non-trainable collections."""
@@ -52,6 +54,9 @@ class Example:
     state: PyTree
     batch: PyTree
     abstract: bool = False
+    loss_fn: LossFn | None = None
+    """``(params, model_state, batch) -> (loss, new model_state)``: the step's loss, for references."""
+    optimizer: optax.GradientTransformation | None = None
 
     @property
     def args(self) -> tuple[PyTree, PyTree]:
@@ -77,7 +82,7 @@ def build_example(
         return TrainState(params, optimizer.init(params), model_state)
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = value_and_grad(loss_fn, has_aux=True)  # marks the loss and gradients for pipelining
         (loss, model_state), grads = grad_fn(state.params, state.model_state, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -91,7 +96,7 @@ def build_example(
     else:
         state = run_once(init_state, param_key)
         batch = run_once(make_batch, data_key)
-    return Example(name, config, train_step, state, batch, abstract)
+    return Example(name, config, train_step, state, batch, abstract, loss_fn, optimizer)
 
 
 def run_once(fn: Callable[..., PyTree], *args: Any) -> PyTree:

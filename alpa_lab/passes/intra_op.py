@@ -105,7 +105,9 @@ class StrategyGraph:
     """var id -> (shape, itemsize) of every tensor, so plans need no OpGraph."""
     var_dtype: Mapping[int, str] = field(default_factory=dict)
     argument_kinds: Mapping[int, str] = field(default_factory=dict)
-    """argument var -> "param", "optimizer_state" or "data" (``graph.analysis``)."""
+    """argument var -> "param", "optimizer_state", "data" (``graph.analysis``) or "activation"."""
+    gradient_nodes: tuple[int, ...] = ()
+    """nodes of the gradient markers (``alpa_lab.value_and_grad``): one per gradient leaf."""
 
     def node_index(self, name: str) -> int:
         for i, n in enumerate(self.nodes):
@@ -125,19 +127,28 @@ class IntraOpSolution:
 
 
 def build_strategy_graph(
-    graph: OpGraph, mesh: LogicalMesh, *, merge_trivial_ops: bool = True, reuse_repeated_blocks: bool = True
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    *,
+    merge_trivial_ops: bool = True,
+    reuse_repeated_blocks: bool = True,
+    argument_kinds: Mapping[int, str] | None = None,
 ) -> StrategyGraph:
     """Enumerate strategies and resharding costs for ``graph`` on ``mesh``.
 
     With ``reuse_repeated_blocks`` the same op in every repeat of a block (``Block_3`` and
     ``Block_7`` of a transformer) takes the same strategy, as TAP does: the ILP then has
     one layer's variables however deep the model is.
+
+    ``argument_kinds`` overrides ``classify_arguments`` (a pipeline stage's graph gets
+    ``"activation"`` for tensors that arrive from another stage: stored, not loaded from
+    the host).
     """
     t0 = time.perf_counter()
     strategy_cache: dict[tuple, tuple[Strategy, ...]] = {}
     nodes: list[PlanningNode] = []
     node_of_var: dict[int, tuple[int, int]] = {}
-    argument_kinds = classify_arguments(graph)
+    argument_kinds = dict(argument_kinds) if argument_kinds is not None else classify_arguments(graph)
     for vid in graph.invars + tuple(graph.consts):
         var = graph.vars[vid]
         if var.kind == "const" and var.rank == 0:
@@ -201,6 +212,11 @@ def build_strategy_graph(
         var_info={v.id: (v.shape, v.itemsize) for v in graph.vars},
         var_dtype={v.id: v.dtype for v in graph.vars},
         argument_kinds=argument_kinds,
+        gradient_nodes=tuple(
+            i
+            for i, n in enumerate(nodes)
+            if n.primitive == "pipeline_marker" and graph.ops[n.op_index].params.get("kind") == "gradient"
+        ),
     )
 
 

@@ -18,6 +18,33 @@ Schedules:
   (1-based) runs 2 (S - i) + 1 warm-up forwards, so that the SEND of a forward overlaps
   with the next forward's compute; costs more in-flight memory to hide communication.
 
+Beyond Alpa:
+
+* ``interleaved_1f1b``: Megatron-LM's interleaved 1F1B (Narayanan et al., SC'21). The
+  model is cut into S = P v *virtual* stages, stage s on mesh s % P, so each of the P
+  meshes holds v model chunks; the pipeline bubble shrinks by v at the price of v times
+  more point-to-point messages. A mesh runs its chunks from one list, so
+  ``Schedule.instructions`` is indexed by *mesh* and ``Instruction.stage`` names the
+  virtual stage; ``Schedule.mesh_of_stage`` says where each stage lives.
+* ``zb_h1``: ZB-H1 from Zero Bubble Pipeline Parallelism (Qi et al., ICLR'24). The
+  backward is split into B (``backward_input``, the gradient w.r.t. the stage input, on
+  the critical path) and W (``backward_weight``, the weight gradient, deferrable). Stage
+  i defers its W passes by i micro-batches so they fill the cool-down bubble.
+
+Conventions for the two:
+
+* Stages that share a mesh hand activations and gradients over in device memory: there is
+  no SEND/RECV between them (a transfer is only emitted across meshes), and the consumer
+  RUN simply has to come after the producer RUN in the mesh's list (``check`` verifies).
+  A channel is an ordered pair of meshes (as NCCL point-to-point between two ranks), so
+  with interleaving one channel carries several stage boundaries, forward and backward
+  messages mixed, and their SEND and RECV orders must still agree; Megatron's order does.
+* With a split backward, the gradient SEND follows B and the FREE follows W.
+* ``peak_in_flight`` counts micro-batches that hold their full forward stash (forward ran,
+  B or fused backward not yet). ZB-H1's W only keeps the smaller weight-gradient inputs
+  (the paper's M_W <= M_B), so it is reported apart, in ``peak_unfreed`` (forward ran,
+  FREE not yet); for fused-backward schedules the two are equal.
+
 Pure Python, no JAX: the schedule is a planning artifact, tested without devices.
 """
 
@@ -29,6 +56,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
     "FORWARD",
     "KINDS",
     "PHASES",
@@ -42,15 +71,20 @@ __all__ = [
     "check",
     "eager_one_f_one_b",
     "gpipe",
+    "interleaved_one_f_one_b",
     "make_schedule",
     "one_f_one_b",
     "simulate",
+    "zb_h1",
 ]
 
 FORWARD = "forward"
 BACKWARD = "backward"
+BACKWARD_INPUT = "backward_input"  # ZB's B: gradient w.r.t. the stage input (critical path)
+BACKWARD_WEIGHT = "backward_weight"  # ZB's W: gradient w.r.t. the weights (deferrable)
 KINDS = ("RUN", "SEND", "RECV", "FREE")
-PHASES = (FORWARD, BACKWARD)
+PHASES = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+_GRAD_PHASES = (BACKWARD, BACKWARD_INPUT)  # the backwards whose output goes to stage - 1
 
 
 class ScheduleError(ValueError):
@@ -61,7 +95,8 @@ class ScheduleError(ValueError):
 class Instruction:
     """One step of a mesh's static program.
 
-    ``peer`` is the other stage of a SEND/RECV; ``None`` for RUN/FREE.
+    ``stage`` is the (virtual) stage the step belongs to; ``peer`` is the other stage of
+    a SEND/RECV; ``None`` for RUN/FREE.
     """
 
     kind: str
@@ -89,23 +124,72 @@ class Instruction:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One instruction list per stage (= per mesh), each in execution order."""
+    """One instruction list per mesh, each in execution order.
+
+    ``mesh_of_stage[s]`` is the mesh that runs stage s; empty means one stage per mesh
+    (stage s on mesh s, the Alpa case), so ``instructions[s]`` is stage s's list.
+    """
 
     name: str
     num_stages: int
     num_microbatches: int
     instructions: tuple[tuple[Instruction, ...], ...]
+    mesh_of_stage: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.instructions) != self.num_stages:
+        if not self.mesh_of_stage:
+            if len(self.instructions) != self.num_stages:
+                raise ValueError(
+                    f"schedule {self.name!r} has {len(self.instructions)} instruction lists "
+                    f"for {self.num_stages} stages"
+                )
+            return
+        P = len(self.instructions)
+        if len(self.mesh_of_stage) != self.num_stages:
             raise ValueError(
-                f"schedule {self.name!r} has {len(self.instructions)} instruction lists "
+                f"schedule {self.name!r}: mesh_of_stage has {len(self.mesh_of_stage)} entries "
                 f"for {self.num_stages} stages"
             )
+        if any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < P for p in self.mesh_of_stage):
+            raise ValueError(
+                f"schedule {self.name!r}: mesh_of_stage {self.mesh_of_stage} must name meshes 0..{P - 1} "
+                f"(one instruction list per mesh)"
+            )
+        if set(self.mesh_of_stage) != set(range(P)):
+            idle = sorted(set(range(P)) - set(self.mesh_of_stage))
+            raise ValueError(f"schedule {self.name!r}: meshes {idle} run no stage")
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.instructions)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into B and W (ZB) instead of one fused pass."""
+        return any(i.phase in (BACKWARD_INPUT, BACKWARD_WEIGHT) for prog in self.instructions for i in prog)
+
+    def mesh(self, stage: int) -> int:
+        """The mesh that runs ``stage``."""
+        return self.mesh_of_stage[stage] if self.mesh_of_stage else stage
+
+    def stages_of(self, mesh: int) -> tuple[int, ...]:
+        """The stages (model chunks) ``mesh`` holds, in stage order."""
+        return tuple(s for s in range(self.num_stages) if self.mesh(s) == mesh)
 
     def runs(self, stage: int) -> tuple[tuple[str, int], ...]:
         """The (phase, micro-batch) RUN order on ``stage``: the schedule without its comms."""
-        return tuple((i.phase, i.microbatch) for i in self.instructions[stage] if i.kind == "RUN")
+        return tuple(
+            (i.phase, i.microbatch)
+            for i in self.instructions[self.mesh(stage)]
+            if i.kind == "RUN" and i.stage == stage
+        )
+
+    def mesh_runs(self, mesh: int) -> tuple[tuple[int, str, int], ...]:
+        """The (stage, phase, micro-batch) RUN order on ``mesh``: its program without comms.
+
+        With several stages per mesh this is the order the mesh interleaves its chunks in.
+        """
+        return tuple((i.stage, i.phase, i.microbatch) for i in self.instructions[mesh] if i.kind == "RUN")
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,37 +197,50 @@ class Schedule:
 # ---------------------------------------------------------------------------------------
 
 
+def _validate_count(label: str, v: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{label} must be an int, got {v!r}")  # noqa: TRY004 (API: ValueError)
+    if v < 1:
+        raise ValueError(f"{label} must be >= 1, got {v}")
+
+
 def _validate_sizes(num_stages: int, num_microbatches: int) -> None:
-    for label, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{label} must be an int, got {v!r}")  # noqa: TRY004 (API: ValueError)
-        if v < 1:
-            raise ValueError(f"{label} must be >= 1, got {v}")
+    _validate_count("num_stages", num_stages)
+    _validate_count("num_microbatches", num_microbatches)
 
 
-def _lower(stage: int, num_stages: int, order: Sequence[tuple[str, int]]) -> tuple[Instruction, ...]:
-    """Expand a RUN order into the full mesh program with its SEND/RECV/FREE.
+def _lower(order: Sequence[tuple[int, str, int]], mesh_of: Sequence[int]) -> tuple[Instruction, ...]:
+    """Expand a mesh's RUN order of (stage, phase, micro-batch) into its full program.
 
     Receives go right before the RUN that needs them and sends right after the RUN that
     produced the data, so that matching SEND/RECV pairs appear in the same order on both
-    ends of each channel (required for NCCL-style in-order point-to-point).
+    ends of each channel (required for NCCL-style in-order point-to-point). Neighbouring
+    stages on the same mesh exchange nothing: the data is already there.
     """
     out: list[Instruction] = []
-    last = num_stages - 1
-    for phase, m in order:
+    last = len(mesh_of) - 1
+
+    def remote(a: int, b: int) -> bool:
+        return 0 <= b <= last and mesh_of[a] != mesh_of[b]
+
+    for stage, phase, m in order:
         if phase == FORWARD:
-            if stage > 0:
+            if remote(stage, stage - 1):
                 out.append(Instruction("RECV", stage, m, FORWARD, stage - 1))
             out.append(Instruction("RUN", stage, m, FORWARD))
-            if stage < last:
+            if remote(stage, stage + 1):
                 out.append(Instruction("SEND", stage, m, FORWARD, stage + 1))
-        else:
-            if stage < last:
-                out.append(Instruction("RECV", stage, m, BACKWARD, stage + 1))
-            out.append(Instruction("RUN", stage, m, BACKWARD))
-            out.append(Instruction("FREE", stage, m, BACKWARD))
-            if stage > 0:
-                out.append(Instruction("SEND", stage, m, BACKWARD, stage - 1))
+        elif phase == BACKWARD_WEIGHT:
+            out.append(Instruction("RUN", stage, m, BACKWARD_WEIGHT))
+            out.append(Instruction("FREE", stage, m, BACKWARD_WEIGHT))
+        else:  # BACKWARD (fused: FREE at once) or BACKWARD_INPUT (FREE waits for W)
+            if remote(stage, stage + 1):
+                out.append(Instruction("RECV", stage, m, phase, stage + 1))
+            out.append(Instruction("RUN", stage, m, phase))
+            if phase == BACKWARD:
+                out.append(Instruction("FREE", stage, m, BACKWARD))
+            if remote(stage, stage - 1):
+                out.append(Instruction("SEND", stage, m, phase, stage - 1))
     return tuple(out)
 
 
@@ -162,12 +259,13 @@ def _warmup_then_1b1f(num_microbatches: int, warmup: int) -> list[tuple[str, int
 
 
 def _build(name: str, num_stages: int, num_microbatches: int, warmup: Callable[[int], int]) -> Schedule:
+    identity = range(num_stages)
     return Schedule(
         name,
         num_stages,
         num_microbatches,
         tuple(
-            _lower(s, num_stages, _warmup_then_1b1f(num_microbatches, warmup(s)))
+            _lower([(s, p, m) for p, m in _warmup_then_1b1f(num_microbatches, warmup(s))], identity)
             for s in range(num_stages)
         ),
     )
@@ -200,17 +298,110 @@ def eager_one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return _build("eager_1f1b", num_stages, num_microbatches, lambda s: 2 * (num_stages - s - 1) + 1)
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_meshes: int) -> Schedule:
+    """Megatron-LM interleaved 1F1B: S = P v virtual stages, stage s on mesh s % P.
+
+    Mesh p walks its M v (chunk, micro-batch) forwards in Megatron's order: groups of P
+    micro-batches, each group through chunk 0, 1, ..., v - 1 (backwards: chunk v - 1
+    first). It runs (v - 1) P + 2 (P - p - 1) warm-up forwards, then 1F1B, then drains, as
+    Megatron does; with M = P every mesh runs all its forwards first (Megatron's special
+    case). Needs M % P == 0 so every group is full. With f, b the per-chunk times and no
+    transfer cost the makespan is (M v + P - 1)(f + b): the 1F1B bubble (P - 1)(F + B) of
+    whole-model-slice times F = v f, B = v b, divided by v.
+    """
+    _validate_sizes(num_stages, num_microbatches)
+    _validate_count("num_meshes", num_meshes)
+    S, M, P = num_stages, num_microbatches, num_meshes
+    if S % P:
+        raise ScheduleError(f"interleaved_1f1b: num_stages {S} must be a multiple of num_meshes {P}")
+    if M % P:
+        raise ScheduleError(
+            f"interleaved_1f1b: num_microbatches {M} must be a multiple of num_meshes {P} "
+            "(Megatron's interleaved schedule runs micro-batches in groups of P)"
+        )
+    v, total = S // P, M * (S // P)
+
+    def chunk_step(p: int, k: int, backward: bool) -> tuple[int, str, int]:
+        c = (k // P) % v
+        m = (k // (P * v)) * P + k % P
+        if backward:
+            return ((v - 1 - c) * P + p, BACKWARD, m)
+        return (c * P + p, FORWARD, m)
+
+    programs = []
+    for p in range(P):
+        warmup = total if M == P else min((v - 1) * P + 2 * (P - p - 1), total)
+        order = [chunk_step(p, k, False) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [chunk_step(p, warmup + k, False), chunk_step(p, k, True)]
+        order += [chunk_step(p, k, True) for k in range(max(total - warmup, 0), total)]
+        programs.append(order)
+    mesh_of = tuple(s % P for s in range(S))
+    return Schedule(
+        "interleaved_1f1b", S, M, tuple(_lower(order, mesh_of) for order in programs), mesh_of
+    )
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., ICLR'24): 1F1B with the backward split into B and W, W deferred.
+
+    Stage i (0-based) runs F and B in exactly 1F1B's order (min(S - i, M) forwards, then
+    1B1F), so at most min(S - i, M) micro-batches hold their full forward stash, as in
+    1F1B. W of micro-batch j - i follows B of micro-batch j: stage i defers i W passes,
+    which lets the gradient chain (B only) run ahead and the deferred Ws fill the tail
+    bubble. Every stage then holds at most min(S, M) micro-batches' W inputs (M_W <= M_B
+    each), never more memory than 1F1B's first stage. With F = B = W = 1, no transfer cost
+    and M >= S the makespan is 3 M + S - 1, bubble S - 1 per stage: the paper's
+    (S - 1)(F + B - W), one third of 1F1B's 3 (S - 1).
+    """
+    _validate_sizes(num_stages, num_microbatches)
+    S, M = num_stages, num_microbatches
+    programs = []
+    for i in range(S):
+        warmup = min(S - i, M)
+        order = [(i, FORWARD, m) for m in range(warmup)]
+        nf = warmup
+        for j in range(M):
+            order.append((i, BACKWARD_INPUT, j))
+            if j >= i:
+                order.append((i, BACKWARD_WEIGHT, j - i))
+            if nf < M:
+                order.append((i, FORWARD, nf))
+                nf += 1
+        order += [(i, BACKWARD_WEIGHT, m) for m in range(max(M - i, 0), M)]
+        programs.append(order)
+    return Schedule("zb_h1", S, M, tuple(_lower(order, range(S)) for order in programs))
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "eager_1f1b": eager_one_f_one_b,
+    "interleaved_1f1b": interleaved_one_f_one_b,
+    "zb_h1": zb_h1,
 }
+_TAKES_NUM_MESHES = frozenset({"interleaved_1f1b"})  # several stages per mesh
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build a schedule by name ("gpipe", "1f1b", "eager_1f1b")."""
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, *, num_meshes: int | None = None
+) -> Schedule:
+    """Build a schedule by name ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zb_h1").
+
+    ``num_meshes`` is required by "interleaved_1f1b" (S / num_meshes chunks per mesh);
+    the others run one stage per mesh, so it must be omitted or equal ``num_stages``.
+    """
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
+    if name in _TAKES_NUM_MESHES:
+        if num_meshes is None:
+            raise ValueError(f"schedule {name!r} needs num_meshes (stages are spread over fewer meshes)")
+        return SCHEDULES[name](num_stages, num_microbatches, num_meshes)
+    if num_meshes is not None and num_meshes != num_stages:
+        raise ValueError(
+            f"schedule {name!r} runs one stage per mesh: num_meshes must be {num_stages} or None, "
+            f"got {num_meshes}"
+        )
     return SCHEDULES[name](num_stages, num_microbatches)
 
 
@@ -229,16 +420,29 @@ class TimelineRecord:
     microbatch: int
     start: float
     end: float
+    mesh: int | None = None  # the mesh that ran it (simulate always sets it)
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """Result of ``simulate``: records per instruction, in each stage's program order."""
+    """Result of ``simulate``: records per instruction, in each mesh's program order.
+
+    ``peak_in_flight`` is per stage: micro-batches whose forward ran and whose backward
+    (or B) has not. ``mesh_peak_in_flight`` sums that over each mesh's stages (the mesh's
+    activation memory, in micro-batch chunks). ``peak_unfreed`` is per stage: forward ran,
+    FREE not yet (adds ZB's micro-batches waiting for W); ``mesh_peak_unfreed`` sums it
+    per mesh. ``bubble_fraction`` is idle time
+    over all meshes' makespan; ``mesh_bubble_fractions`` the same per mesh.
+    """
 
     records: tuple[TimelineRecord, ...]
     makespan: float
     bubble_fraction: float
     peak_in_flight: tuple[int, ...]
+    mesh_peak_in_flight: tuple[int, ...] = ()
+    peak_unfreed: tuple[int, ...] = ()
+    mesh_bubble_fractions: tuple[float, ...] = ()
+    mesh_peak_unfreed: tuple[int, ...] = ()
 
     def run(self, stage: int, phase: str, microbatch: int) -> TimelineRecord:
         """The RUN record of (stage, phase, micro-batch)."""
@@ -261,52 +465,88 @@ def _per_stage(value: float | Sequence[float], num_stages: int, label: str) -> t
     return values
 
 
+def _where(schedule: Schedule, mesh: int) -> str:
+    """How messages name a program: by stage when each mesh runs one stage, else by mesh."""
+    return f"mesh {mesh}" if schedule.mesh_of_stage else f"stage {mesh}"
+
+
 def simulate(
     schedule: Schedule,
     forward_time: float | Sequence[float] = 1.0,
     backward_time: float | Sequence[float] = 2.0,
     transfer_time: float = 0.0,
+    weight_time: float | Sequence[float] | None = None,
 ) -> Timeline:
-    """Run every stage's list in order, each instruction as soon as its inputs exist.
+    """Run every mesh's list in order, each instruction as soon as its inputs exist.
 
-    A RUN forward needs its RECV'd activation (stage > 0); a RUN backward needs its own
-    forward and its RECV'd gradient (not last stage). A RECV completes when the peer's
-    matching SEND has executed plus ``transfer_time``. SENDs are non-blocking. There is no
-    contention other than each stage being sequential, so computing each instruction's
-    time by fixpoint over the stages is exact. If no stage can advance while some still
-    have instructions left, the schedule deadlocks and ``ScheduleError`` names them.
+    A RUN forward needs stage s - 1's activation: RECV'd from another mesh, or that
+    stage's RUN on the same mesh. A RUN backward (fused, or B) needs its own forward and
+    stage s + 1's gradient, likewise; a W needs its own B. A RECV completes when the
+    peer's matching SEND has executed plus ``transfer_time``. SENDs are non-blocking.
+    There is no contention other than each mesh being sequential (across all its
+    stages), so computing each instruction's time by fixpoint over the meshes is exact. If
+    no mesh can advance while some still have instructions left, the schedule deadlocks
+    and ``ScheduleError`` names them.
+
+    Times are per (virtual) stage. ``weight_time`` chooses how the backward splits:
+
+    * ``None`` (default): ``backward_time`` is the whole backward; a split schedule runs
+      B and W in half of it each. So the same arguments give every schedule the same work
+      (defaults: F 1, B 1, W 1 against a fused backward of 2).
+    * given: ``backward_time`` is B and ``weight_time`` is W; a fused backward takes
+      their sum.
     """
-    S = schedule.num_stages
+    S, P = schedule.num_stages, schedule.num_meshes
     ft = _per_stage(forward_time, S, "forward_time")
     bt = _per_stage(backward_time, S, "backward_time")
+    if weight_time is None:
+        b_time = tuple(b / 2 for b in bt)
+        w_time = b_time
+        fused = bt
+    else:
+        b_time = bt
+        w_time = _per_stage(weight_time, S, "weight_time")
+        fused = tuple(b + w for b, w in zip(bt, w_time, strict=True))
+    duration = {FORWARD: ft, BACKWARD: fused, BACKWARD_INPUT: b_time, BACKWARD_WEIGHT: w_time}
     if not math.isfinite(transfer_time) or transfer_time < 0:
         raise ValueError(f"transfer_time must be finite and >= 0, got {transfer_time}")
+    mesh_of = [schedule.mesh(s) for s in range(S)]
 
-    pc = [0] * S
-    clock = [0.0] * S
-    records: list[list[TimelineRecord]] = [[] for _ in range(S)]
-    sent: dict[tuple[int, int, str, int], float] = {}  # (src, dst, phase, mb) -> arrival
+    pc = [0] * P
+    clock = [0.0] * P
+    records: list[list[TimelineRecord]] = [[] for _ in range(P)]
+    sent: dict[tuple[int | None, int, str, int], float] = {}  # (src, dst, phase, mb) -> arrival
     received: dict[tuple[int, str, int], float] = {}  # (stage, phase, mb) -> time
     ran: dict[tuple[int, str, int], float] = {}  # (stage, phase, mb) -> end time
-    in_flight = [0] * S
-    peak = [0] * S
+    in_flight, peak = [0] * S, [0] * S
+    unfreed, peak_unfreed = [0] * S, [0] * S
+    mesh_in_flight, mesh_peak = [0] * P, [0] * P
+    mesh_unfreed, mesh_peak_unfreed = [0] * P, [0] * P
+
+    def neighbour(s: int, other: int, phase: str, m: int) -> float | None:
+        """When stage ``other``'s output for (s, phase, m) is available on s's mesh."""
+        if mesh_of[other] == mesh_of[s]:
+            return ran.get((other, phase, m))
+        return received.get((s, phase, m))
 
     def ready_time(ins: Instruction) -> float | None:
-        s = ins.stage
+        s, m = ins.stage, ins.microbatch
         if ins.kind == "RECV":
-            return sent.get((ins.peer, s, ins.phase, ins.microbatch))
+            return sent.get((ins.peer, s, ins.phase, m))
         if ins.kind in ("SEND", "FREE"):
             # Data to send / activations to free must exist: needs its own RUN.
-            return ran.get((s, ins.phase, ins.microbatch))
+            return ran.get((s, ins.phase, m))
         # RUN
         deps: list[float | None] = []
         if ins.phase == FORWARD:
             if s > 0:
-                deps.append(received.get((s, FORWARD, ins.microbatch)))
+                deps.append(neighbour(s, s - 1, FORWARD, m))
+        elif ins.phase == BACKWARD_WEIGHT:
+            deps.append(ran.get((s, BACKWARD_INPUT, m)))
         else:
-            deps.append(ran.get((s, FORWARD, ins.microbatch)))
+            deps.append(ran.get((s, FORWARD, m)))
             if s < S - 1:
-                deps.append(received.get((s, BACKWARD, ins.microbatch)))
+                deps.append(neighbour(s, s + 1, ins.phase, m))
         if any(d is None for d in deps):
             return None
         return max(deps, default=0.0)  # type: ignore[type-var]
@@ -314,48 +554,67 @@ def simulate(
     progress = True
     while progress:
         progress = False
-        for s in range(S):
-            prog = schedule.instructions[s]
-            while pc[s] < len(prog):
-                ins = prog[pc[s]]
-                if ins.stage != s:
-                    raise ScheduleError(f"instruction {ins} is in stage {s}'s list")
+        for p in range(P):
+            prog = schedule.instructions[p]
+            while pc[p] < len(prog):
+                ins = prog[pc[p]]
+                s = ins.stage
+                if not 0 <= s < S or mesh_of[s] != p:
+                    raise ScheduleError(f"instruction {ins} is in {_where(schedule, p)}'s list")
                 t = ready_time(ins)
                 if t is None:
                     break
-                start = max(clock[s], t)
+                start = max(clock[p], t)
                 key = (s, ins.phase, ins.microbatch)
                 if ins.kind == "RUN":
-                    end = start + (ft[s] if ins.phase == FORWARD else bt[s])
+                    end = start + duration[ins.phase][s]
                     ran[key] = end
-                    in_flight[s] += 1 if ins.phase == FORWARD else -1
-                    peak[s] = max(peak[s], in_flight[s])
+                    if ins.phase == FORWARD:
+                        in_flight[s] += 1
+                        unfreed[s] += 1
+                        mesh_in_flight[p] += 1
+                        mesh_unfreed[p] += 1
+                        peak[s] = max(peak[s], in_flight[s])
+                        peak_unfreed[s] = max(peak_unfreed[s], unfreed[s])
+                        mesh_peak[p] = max(mesh_peak[p], mesh_in_flight[p])
+                        mesh_peak_unfreed[p] = max(mesh_peak_unfreed[p], mesh_unfreed[p])
+                    elif ins.phase in _GRAD_PHASES:
+                        in_flight[s] -= 1
+                        mesh_in_flight[p] -= 1
                 else:
                     end = start
                     if ins.kind == "SEND":
                         sent[(s, ins.peer, ins.phase, ins.microbatch)] = start + transfer_time
                     elif ins.kind == "RECV":
                         received[key] = start
-                clock[s] = end
-                records[s].append(TimelineRecord(s, ins.kind, ins.phase, ins.microbatch, start, end))
-                pc[s] += 1
+                    else:
+                        unfreed[s] -= 1
+                        mesh_unfreed[p] -= 1
+                clock[p] = end
+                records[p].append(TimelineRecord(s, ins.kind, ins.phase, ins.microbatch, start, end, p))
+                pc[p] += 1
                 progress = True
 
-    stuck = [s for s in range(S) if pc[s] < len(schedule.instructions[s])]
+    stuck = [p for p in range(P) if pc[p] < len(schedule.instructions[p])]
     if stuck:
-        detail = "; ".join(f"stage {s} waits at {schedule.instructions[s][pc[s]]}" for s in stuck)
+        detail = "; ".join(f"{_where(schedule, p)} waits at {schedule.instructions[p][pc[p]]}" for p in stuck)
+        what = "meshes" if schedule.mesh_of_stage else "stages"
         raise ScheduleError(
-            f"schedule {schedule.name!r} deadlocks: stuck stages {stuck}: {detail}"
+            f"schedule {schedule.name!r} deadlocks: stuck {what} {stuck}: {detail}"
         )
 
     makespan = max(clock, default=0.0)
-    busy = sum(r.end - r.start for rs in records for r in rs if r.kind == "RUN")
-    bubble = 1.0 - busy / (S * makespan) if makespan > 0 else 0.0
+    busy = [sum(r.end - r.start for r in rs if r.kind == "RUN") for rs in records]
+    bubble = 1.0 - sum(busy) / (P * makespan) if makespan > 0 else 0.0
     return Timeline(
         records=tuple(r for rs in records for r in rs),
         makespan=makespan,
         bubble_fraction=bubble,
         peak_in_flight=tuple(peak),
+        mesh_peak_in_flight=tuple(mesh_peak),
+        peak_unfreed=tuple(peak_unfreed),
+        mesh_bubble_fractions=tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy),
+        mesh_peak_unfreed=tuple(mesh_peak_unfreed),
     )
 
 
@@ -366,7 +625,11 @@ def simulate(
 
 @dataclass(frozen=True)
 class ScheduleReport:
-    """What ``check`` proved and measured (unit times: forward 1, backward 2)."""
+    """What ``check`` proved and measured.
+
+    Unit times: forward 1, backward 2 (split schedules: B 1 and W 1), no transfer cost.
+    Per-stage fields are indexed by (virtual) stage, ``mesh_*`` fields by mesh.
+    """
 
     name: str
     num_stages: int
@@ -375,27 +638,55 @@ class ScheduleReport:
     clock_count: float  # makespan in units of one forward
     peak_in_flight: tuple[int, ...]
     warmup_forwards: tuple[int, ...]  # forwards each stage runs before its first backward
+    num_meshes: int = 0
+    mesh_peak_in_flight: tuple[int, ...] = ()
+    mesh_warmup_forwards: tuple[int, ...] = ()  # forwards each mesh runs before its first backward
+    mesh_bubble_fractions: tuple[float, ...] = ()
+    peak_unfreed: tuple[int, ...] = ()  # forward ran, FREE not yet (ZB: includes W pending)
+    mesh_peak_unfreed: tuple[int, ...] = ()
 
 
-def _check_stage(schedule: Schedule, s: int) -> None:
-    """Every micro-batch's forward, backward and FREE exactly once, in a legal order.
+def _remote(schedule: Schedule, a: int, b: int) -> bool:
+    """Whether stage b exists and lives on another mesh than stage a (data must travel)."""
+    return 0 <= b < schedule.num_stages and schedule.mesh(a) != schedule.mesh(b)
+
+
+def _stage_program(schedule: Schedule, s: int) -> list[Instruction]:
+    return [i for i in schedule.instructions[schedule.mesh(s)] if i.stage == s]
+
+
+def _check_stage(schedule: Schedule, s: int, split: bool) -> None:
+    """Every micro-batch's forward, backward (or B and W) and FREE exactly once, in a legal order.
 
     Missing or duplicated work is reported before misordering, since a missing RUN makes
     every instruction that depends on it look misordered.
     """
     S, M = schedule.num_stages, schedule.num_microbatches
+    grad = BACKWARD_INPUT if split else BACKWARD  # the pass whose output goes to stage - 1
+    last = BACKWARD_WEIGHT if split else BACKWARD  # the last pass that needs the activations
+    runs = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (FORWARD, BACKWARD)
+    prog = _stage_program(schedule, s)
     count: dict[tuple[str, str, int], int] = {}
-    for ins in schedule.instructions[s]:
-        if ins.stage != s:
-            raise ScheduleError(f"instruction {ins} is in stage {s}'s list")
+    for ins in prog:
         if not 0 <= ins.microbatch < M:
             raise ScheduleError(f"{ins}: micro-batch out of range 0..{M - 1}")
+        if ins.kind == "RUN" and ins.phase not in runs:
+            raise ScheduleError(
+                f"{ins}: this schedule's backward is {'split into B and W' if split else 'fused'}"
+            )
         if ins.kind in ("SEND", "RECV"):
+            if ins.phase not in (FORWARD, grad):
+                raise ScheduleError(f"{ins}: only forward activations and {grad} gradients travel")
             expect = s + 1 if (ins.phase == FORWARD) == (ins.kind == "SEND") else s - 1
             if ins.peer != expect or not 0 <= expect < S:
                 raise ScheduleError(
                     f"{ins}: a {ins.phase} {ins.kind} of stage {s} must pair with stage {expect}"
                     + ("" if 0 <= expect < S else " (no such stage)")
+                )
+            if not _remote(schedule, s, expect):
+                raise ScheduleError(
+                    f"{ins}: stages {s} and {expect} share mesh {schedule.mesh(s)}; "
+                    "they hand data over in memory, without SEND/RECV"
                 )
         key = (ins.kind, ins.phase, ins.microbatch)
         count[key] = count.get(key, 0) + 1
@@ -403,60 +694,97 @@ def _check_stage(schedule: Schedule, s: int) -> None:
         if n > 1:
             raise ScheduleError(f"stage {s} has {kind} {phase} of micro-batch {m} {n} times")
     for m in range(M):
-        for phase in PHASES:
+        for phase in runs:
             if ("RUN", phase, m) not in count:
                 raise ScheduleError(f"missing {phase} of (stage {s}, micro-batch {m})")
-        if ("FREE", BACKWARD, m) not in count:
+        if ("FREE", last, m) not in count:
             raise ScheduleError(f"missing FREE of (stage {s}, micro-batch {m})")
-        if s > 0 and ("RECV", FORWARD, m) not in count:
+        if _remote(schedule, s, s - 1) and ("RECV", FORWARD, m) not in count:
             raise ScheduleError(f"missing RECV forward of (stage {s}, micro-batch {m}) from stage {s - 1}")
-        if s < S - 1 and ("RECV", BACKWARD, m) not in count:
-            raise ScheduleError(f"missing RECV backward of (stage {s}, micro-batch {m}) from stage {s + 1}")
-    if any(k[0] == "FREE" and k[1] != BACKWARD for k in count):
-        raise ScheduleError(f"stage {s}: FREE must carry phase 'backward' (it follows the backward)")
+        if _remote(schedule, s, s + 1) and ("RECV", grad, m) not in count:
+            raise ScheduleError(f"missing RECV {grad} of (stage {s}, micro-batch {m}) from stage {s + 1}")
+    if any(k[0] == "FREE" and k[1] != last for k in count):
+        raise ScheduleError(f"stage {s}: FREE must carry phase {last!r} (it follows the {last})")
     seen: set[tuple[str, str, int]] = set()
-    for ins in schedule.instructions[s]:
+    for ins in prog:
         m = ins.microbatch
         if ins.kind == "SEND" and ("RUN", ins.phase, m) not in seen:
             raise ScheduleError(f"{ins} comes before the RUN that produces its data")
-        if ins.kind == "RUN" and ins.phase == BACKWARD and ("RUN", FORWARD, m) not in seen:
-            raise ScheduleError(f"stage {s} runs the backward of micro-batch {m} before its forward")
-        if ins.kind == "FREE" and ("RUN", BACKWARD, m) not in seen:
-            raise ScheduleError(f"{ins} frees activations before the backward that needs them")
+        if ins.kind == "RUN" and ins.phase == grad and ("RUN", FORWARD, m) not in seen:
+            raise ScheduleError(f"stage {s} runs the {grad} of micro-batch {m} before its forward")
+        if ins.kind == "RUN" and ins.phase == BACKWARD_WEIGHT and ("RUN", BACKWARD_INPUT, m) not in seen:
+            raise ScheduleError(f"stage {s} runs the W of micro-batch {m} before its B")
+        if ins.kind == "FREE" and ("RUN", last, m) not in seen:
+            raise ScheduleError(f"{ins} frees activations before the {last} that needs them")
         seen.add((ins.kind, ins.phase, m))
 
 
-def _channel(schedule: Schedule, kind: str, src: int, dst: int) -> list[tuple[str, int]]:
-    """Messages on the directed channel src -> dst, in the order ``kind``'s side issues them."""
-    side = src if kind == "SEND" else dst
-    peer = dst if kind == "SEND" else src
-    return [
-        (i.phase, i.microbatch)
-        for i in schedule.instructions[side]
-        if i.kind == kind and i.peer == peer
-    ]
+def _check_local_handover(schedule: Schedule, p: int, split: bool) -> None:
+    """Neighbouring stages on one mesh: the producer's RUN must precede the consumer's."""
+    grad = BACKWARD_INPUT if split else BACKWARD
+    seen: set[tuple[int, str, int]] = set()
+    for s, phase, m in schedule.mesh_runs(p):
+        src = s - 1 if phase == FORWARD else s + 1 if phase == grad else None
+        local = src is not None and 0 <= src < schedule.num_stages and not _remote(schedule, s, src)
+        if local and (src, phase, m) not in seen:
+            raise ScheduleError(
+                f"mesh {p} runs {phase} of (stage {s}, micro-batch {m}) before the {phase} "
+                f"of stage {src} on the same mesh that feeds it"
+            )
+        seen.add((s, phase, m))
+
+
+def _channel(schedule: Schedule, kind: str, src: int, dst: int) -> list[tuple]:
+    """Messages on the directed channel mesh src -> mesh dst, in the order ``kind``'s side issues them.
+
+    A message is (phase, micro-batch) when each mesh runs one stage (the pair of meshes
+    names the pair of stages), else (source stage, destination stage, phase, micro-batch).
+    """
+    side, peer = (src, dst) if kind == "SEND" else (dst, src)
+    out: list[tuple] = []
+    for i in schedule.instructions[side]:
+        if i.kind == kind and i.peer is not None and schedule.mesh(i.peer) == peer:
+            edge = (i.stage, i.peer) if kind == "SEND" else (i.peer, i.stage)
+            out.append((*edge, i.phase, i.microbatch) if schedule.mesh_of_stage else (i.phase, i.microbatch))
+    return out
+
+
+def _first_backward(runs: Sequence[tuple[str, int]]) -> int:
+    return next((k for k, (phase, _) in enumerate(runs) if phase in _GRAD_PHASES), len(runs))
 
 
 def check(schedule: Schedule) -> ScheduleReport:
     """Prove ``schedule`` complete, consistent and deadlock-free, and measure it.
 
-    Order of checks: per-stage completeness and ordering; every SEND has its RECV (same
-    set per channel); deadlock-freedom by simulation with unit times (a swapped RECV shows
-    up here, naming the stuck stages); finally that each channel's SENDs and RECVs match
-    in order, as in-order point-to-point transport (NCCL) requires.
+    Order of checks: every instruction sits in its stage's mesh's list; per-stage
+    completeness and ordering; same-mesh hand-overs in producer-consumer order; every SEND
+    has its RECV (same set per channel, a channel being an ordered pair of meshes);
+    deadlock-freedom by simulation with unit times (a
+    swapped RECV shows up here, naming the stuck stages or meshes); finally that each
+    channel's SENDs and RECVs match in order, as in-order point-to-point transport (NCCL)
+    requires.
     """
     S, M = schedule.num_stages, schedule.num_microbatches
     _validate_sizes(S, M)
+    for p, prog in enumerate(schedule.instructions):
+        for ins in prog:
+            if not 0 <= ins.stage < S or schedule.mesh(ins.stage) != p:
+                raise ScheduleError(f"instruction {ins} is in {_where(schedule, p)}'s list")
+    split = schedule.split_backward
     for s in range(S):
-        _check_stage(schedule, s)
-    channels = [(s, s + 1) for s in range(S - 1)] + [(s + 1, s) for s in range(S - 1)]
+        _check_stage(schedule, s, split)
+    for p in range(schedule.num_meshes):
+        _check_local_handover(schedule, p, split)
+    boundaries = {(schedule.mesh(s), schedule.mesh(s + 1)) for s in range(S - 1) if _remote(schedule, s, s + 1)}
+    channels = sorted(boundaries | {(b, a) for a, b in boundaries})
+    what = "src stage, dst stage, phase, micro-batch" if schedule.mesh_of_stage else "phase, micro-batch"
     for src, dst in channels:
         sends, recvs = _channel(schedule, "SEND", src, dst), _channel(schedule, "RECV", src, dst)
         if sorted(sends) != sorted(recvs):
             unmatched = sorted(set(sends) ^ set(recvs))
             raise ScheduleError(
-                f"channel stage {src} -> stage {dst}: SENDs and RECVs do not match; "
-                f"unmatched (phase, micro-batch): {unmatched}"
+                f"channel {_where(schedule, src)} -> {_where(schedule, dst)}: SENDs and RECVs do not "
+                f"match; unmatched ({what}): {unmatched}"
             )
     timeline = simulate(schedule, 1.0, 2.0, 0.0)
     for src, dst in channels:
@@ -464,13 +792,9 @@ def check(schedule: Schedule) -> ScheduleReport:
         if sends != recvs:
             k = next(i for i, (a, b) in enumerate(zip(sends, recvs)) if a != b)
             raise ScheduleError(
-                f"channel stage {src} -> stage {dst}: message #{k} is sent as {sends[k]} "
+                f"channel {_where(schedule, src)} -> {_where(schedule, dst)}: message #{k} is sent as {sends[k]} "
                 f"but received as {recvs[k]}; SEND/RECV order must match"
             )
-    warmup = []
-    for s in range(S):
-        runs = schedule.runs(s)
-        warmup.append(next(i for i, (phase, _) in enumerate(runs) if phase == BACKWARD))
     return ScheduleReport(
         name=schedule.name,
         num_stages=S,
@@ -478,5 +802,14 @@ def check(schedule: Schedule) -> ScheduleReport:
         bubble_fraction=timeline.bubble_fraction,
         clock_count=timeline.makespan,
         peak_in_flight=timeline.peak_in_flight,
-        warmup_forwards=tuple(warmup),
+        warmup_forwards=tuple(_first_backward(schedule.runs(s)) for s in range(S)),
+        num_meshes=schedule.num_meshes,
+        mesh_peak_in_flight=timeline.mesh_peak_in_flight,
+        mesh_warmup_forwards=tuple(
+            _first_backward([(ph, m) for _, ph, m in schedule.mesh_runs(p)])
+            for p in range(schedule.num_meshes)
+        ),
+        mesh_bubble_fractions=timeline.mesh_bubble_fractions,
+        peak_unfreed=timeline.peak_unfreed,
+        mesh_peak_unfreed=timeline.mesh_peak_unfreed,
     )

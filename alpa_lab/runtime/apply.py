@@ -10,6 +10,7 @@ inserts the collectives; ``compiled_hlo`` shows which.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from alpa_lab.graph.evaluate import evaluate
 from alpa_lab.graph.opgraph import Op, OpGraph
-from alpa_lab.plan import Plan
+from alpa_lab.plan import OpPlan, Plan
 from alpa_lab.sharding.spec import ShardingSpec
 
 
@@ -62,12 +63,33 @@ def compile_plan(graph: OpGraph, plan: Plan, devices: list | None = None) -> Com
     """Bind ``plan`` to ``graph``: constraints on every op, shardings on arguments and results."""
     plan.check_program(graph)
     mesh = make_mesh(plan, devices)
+    fn, in_shardings, out_shardings = compile_graph(
+        graph,
+        {o.name: o for o in plan.ops if o.kind == "op"},
+        [t.spec for t in plan.inputs],
+        [t.spec for t in plan.outputs],
+        mesh,
+    )
+    return CompiledPlan(plan, mesh, fn, in_shardings, out_shardings)
+
+
+def compile_graph(
+    graph: OpGraph,
+    op_plans: Mapping[str, OpPlan],
+    in_specs: Sequence[str],
+    out_specs: Sequence[str],
+    mesh: Mesh,
+) -> tuple[Callable[..., Any], tuple[NamedSharding, ...], tuple[NamedSharding, ...]]:
+    """``graph`` jitted on ``mesh`` with every op's planned specs (ops found by name).
+
+    The one place a plan becomes sharding constraints: a whole program (``compile_plan``)
+    and a pipeline's unit tasks (``runtime.pipeline``) both go through it.
+    """
 
     def sharding(spec_text: str) -> NamedSharding:
         return NamedSharding(mesh, ShardingSpec.parse(spec_text).to_partition_spec())
 
-    op_plans = {o.name: o for o in plan.ops if o.kind == "op"}
-    spec_of_var = dict(zip(graph.invars, (t.spec for t in plan.inputs)))
+    spec_of_var = dict(zip(graph.invars, in_specs))
     out_constraint = {}
     in_constraint = {}
     for op in graph.ops:
@@ -78,8 +100,8 @@ def compile_plan(graph: OpGraph, plan: Plan, devices: list | None = None) -> Com
         in_constraint[op.index] = [
             sharding(s) if v in spec_of_var and spec_of_var[v] != s else None for s, v in zip(p.input_specs, op.inputs)
         ]
-    in_shardings = tuple(sharding(t.spec) for t in plan.inputs)
-    out_shardings = tuple(sharding(t.spec) for t in plan.outputs)
+    in_shardings = tuple(sharding(s) for s in in_specs)
+    out_shardings = tuple(sharding(s) for s in out_specs)
 
     def constrain_inputs(op: Op, values: list[Any]) -> list[Any]:
         wanted = in_constraint[op.index]
@@ -92,4 +114,4 @@ def compile_plan(graph: OpGraph, plan: Plan, devices: list | None = None) -> Com
         return tuple(evaluate(graph, flat_args, on_output=constrain_outputs, on_input=constrain_inputs))
 
     fn = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
-    return CompiledPlan(plan, mesh, fn, in_shardings, out_shardings)
+    return fn, in_shardings, out_shardings

@@ -23,7 +23,7 @@ def dot_general_loops(ctx: RuleContext) -> list[Loop]:
     lhs_rank, rhs_rank = ctx.ins[0].rank, ctx.ins[1].rank
     lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
     rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
-    loops = [Loop(operands=((0, l), (1, r)), results=((0, o),)) for o, (l, r) in enumerate(zip(lb, rb))]
+    loops = [Loop(operands=((0, a), (1, b)), results=((0, o),)) for o, (a, b) in enumerate(zip(lb, rb))]
     out = len(lb)
     for d in lhs_free:
         loops.append(Loop(operands=((0, d),), results=((0, out),)))
@@ -31,7 +31,7 @@ def dot_general_loops(ctx: RuleContext) -> list[Loop]:
     for d in rhs_free:
         loops.append(Loop(operands=((1, d),), results=((0, out),)))
         out += 1
-    loops += [Loop(operands=((0, l), (1, r)), reduced=True) for l, r in zip(lc, rc)]
+    loops += [Loop(operands=((0, a), (1, b)), reduced=True) for a, b in zip(lc, rc)]
     return loops
 
 

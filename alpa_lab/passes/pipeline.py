@@ -1,0 +1,380 @@
+"""The whole two-level plan (Alpa, OSDI'22, sec. 5): stages, sub-meshes, shardings, schedule.
+
+``plan_pipeline`` puts the passes together on a traced step (traced at micro-batch size):
+
+1. ``slice_program`` gives every op its phase and layer;
+2. each layer's forward + backward is priced by the intra-op ILP on every logical mesh
+   of every candidate sub-mesh (``layer_cost``). Layers with the same structure (the
+   repeated blocks of a transformer, TAP) share one solve, so a deep model costs a few ILPs
+   per mesh, not one per layer;
+3. the stage DP (eq. 2-4) slices the layers into stages on sub-meshes, with a stage's
+   t_intra the sum of its layers' costs (the resharding between two layers of one stage is
+   not priced: a stage is planned as a whole in step 4, which does price it);
+4. each chosen stage (all its ops, the weight update included) is planned by the intra-op
+   pass on its sub-mesh and logical mesh: a ``Plan`` per stage;
+5. the schedule's timeline gives the predicted step time, and eq. 5 the memory check:
+   weights + peak in-flight micro-batches x activations per micro-batch <= device memory.
+
+Costs come from the analytic model of ``cost.cluster``; measuring stages on real devices
+would plug in at ``layer_cost``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
+from alpa_lab.graph.analysis import classify_arguments
+from alpa_lab.graph.opgraph import OpGraph
+from alpa_lab.graph.subgraph import Subgraph, subgraph
+from alpa_lab.passes.inter_op import InterOpError, StageCost, logical_shapes, stage_dp
+from alpa_lab.passes.intra_op import _op_key, build_strategy_graph, solve_strategy_graph
+from alpa_lab.passes.methods import method_restrictions, solve_method
+from alpa_lab.passes.schedule import Timeline, check, make_schedule, simulate
+from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program
+from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
+from alpa_lab.plan import Plan, StageResult, make_plan
+
+Shape = tuple[int, int]
+
+__all__ = ["LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's forward + backward on one logical mesh, per micro-batch."""
+
+    forward: float
+    backward: float
+    weight_memory: float
+    activation_memory: float
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward
+
+
+@dataclass(eq=False)
+class PipelineProblem:
+    """The planner state a re-plan re-uses: the graph, its slicing, and cached costs."""
+
+    graph: OpGraph
+    slicing: ProgramSlicing
+    cluster: ClusterSpec
+    argument_kinds: dict[int, str]
+    layer_keys: tuple[int, ...]
+    layer_costs: dict[tuple, LayerCost | None] = field(default_factory=dict)
+    stage_plans: dict[tuple, Plan] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    reuse: bool = True
+
+    @classmethod
+    def build(cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True) -> PipelineProblem:
+        """Slice ``graph``; with ``reuse`` layers of equal structure share their costs (TAP)."""
+        t0 = time.perf_counter()
+        slicing = slice_program(graph)
+        keys: dict[tuple, int] = {}
+        layer_keys = []
+        for lay in range(slicing.num_layers):
+            ops = slicing.ops_of([lay], (FORWARD, BACKWARD))
+            key = tuple((slicing.phase[i], _op_key(graph.ops[i], graph)) for i in ops) if reuse else (lay,)
+            layer_keys.append(keys.setdefault(key, len(keys)))
+        problem = cls(graph, slicing, cluster, classify_arguments(graph), tuple(layer_keys), reuse=reuse)
+        problem.seconds["slicing"] = time.perf_counter() - t0
+        return problem
+
+    def piece_kinds(self, piece: Subgraph) -> dict[int, str]:
+        """Argument kinds of a piece: the program's own, or "activation" for crossing tensors."""
+        return {
+            piece.var_map[v]: self.argument_kinds.get(v, "activation") for v in piece.invars
+        }
+
+    def mesh(self, submesh: Shape, logical: Shape, device_ids: Sequence[int] | None = None) -> LogicalMesh:
+        if device_ids is None:  # a canonical placement: first hosts, first devices of each
+            M = self.cluster.devices_per_host
+            device_ids = [h * M + d for h in range(submesh[0]) for d in range(submesh[1])]
+        return self.cluster.logical_mesh(logical, tuple(device_ids))
+
+    def layer_cost(self, layer: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
+        """The intra-op ILP's cost of a layer (cached per repeated-layer key, mesh and method)."""
+        key = (self.layer_keys[layer], submesh, logical, method)
+        if key not in self.layer_costs:
+            t0 = time.perf_counter()
+            self.layer_costs[key] = self._solve_layer(layer, submesh, logical, method)
+            self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
+        return self.layer_costs[key]
+
+    def _solve_layer(self, layer: int, submesh: Shape, logical: Shape, method: str) -> LayerCost | None:
+        ops = self.slicing.ops_of([layer], (FORWARD, BACKWARD))
+        if not ops:
+            return LayerCost(0.0, 0.0, 0.0, 0.0)
+        piece = subgraph(self.graph, ops)
+        sg = build_strategy_graph(
+            piece.graph, self.mesh(submesh, logical), argument_kinds=self.piece_kinds(piece), reuse_repeated_blocks=self.reuse
+        )
+        try:
+            sol = solve_strategy_graph(sg, restrictions=method_restrictions(method, sg))
+        except ValueError:
+            return None
+        forward = weights = activations = 0.0
+        op_total = 0.0
+        kinds = self.piece_kinds(piece)
+        for n, node in enumerate(sg.nodes):
+            s = node.strategies[sol.choice[n]]
+            if node.op_index is None:
+                if kinds.get(node.var) in ("param", "optimizer_state"):
+                    weights += s.memory_cost
+                continue
+            cost = s.compute_cost + s.communication_cost
+            op_total += cost
+            if self.slicing.phase[ops[node.op_index]] == FORWARD:
+                forward += cost
+                activations += s.memory_cost
+        forward += sol.objective - op_total  # loads and reshardings: charged to the forward
+        return LayerCost(forward, sol.objective - forward, weights * self._state_factor(), activations)
+
+    def _state_factor(self) -> float:
+        """(params + optimizer state) / params: layer pieces hold no optimizer state, eq. 5 needs it."""
+        sizes = {"param": 0.0, "optimizer_state": 0.0}
+        for v, kind in self.argument_kinds.items():
+            if kind in sizes:
+                sizes[kind] += self.graph.vars[v].nbytes
+        return 1.0 + sizes["optimizer_state"] / sizes["param"] if sizes["param"] else 1.0
+
+    def stage_cost(self, start: int, end: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
+        """Layers [start, end) on one logical mesh: the sum of their layer costs."""
+        costs = [self.layer_cost(lay, submesh, logical, method) for lay in range(start, end)]
+        if any(c is None for c in costs):
+            return None
+        return LayerCost(
+            sum(c.forward for c in costs),
+            sum(c.backward for c in costs),
+            sum(c.weight_memory for c in costs),
+            sum(c.activation_memory for c in costs),
+        )
+
+
+def _plan_stage(
+    problem: PipelineProblem,
+    layers: tuple[int, int],
+    submesh: Shape,
+    logical: Shape,
+    device_ids: tuple[int, ...],
+    method: str,
+    pins: Mapping[str, str],
+) -> Plan:
+    graph = problem.graph
+    ops = problem.slicing.ops_of(range(*layers))
+    names = {graph.ops[i].name for i in ops} | {graph.vars[v].name for i in ops for v in graph.ops[i].inputs}
+    mine = {k: v for k, v in pins.items() if k in names}  # a pin elsewhere leaves this stage's plan cached
+    key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
+    if key not in problem.stage_plans:
+        t0 = time.perf_counter()
+        piece = subgraph(graph, ops)
+        sg = build_strategy_graph(piece.graph, problem.mesh(submesh, logical, device_ids), argument_kinds=problem.piece_kinds(piece))
+        solved = solve_method(sg, method, mine)
+        problem.stage_plans[key] = make_plan(
+            sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
+        )
+        problem.seconds["stage_plans"] = problem.seconds.get("stage_plans", 0.0) + time.perf_counter() - t0
+    return problem.stage_plans[key]
+
+
+def _stage_figures(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> tuple[float, float, float, float, float]:
+    """Forward, backward and update seconds; weight and activation bytes, from a stage plan."""
+    phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in problem.slicing.ops_of(range(*layers))}
+    by_phase = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
+    weights = activations = 0.0
+    kinds_by_name = {problem.graph.vars[v].name: k for v, k in problem.argument_kinds.items()}
+    for o in plan.ops:
+        if o.kind != "op":
+            if kinds_by_name.get(o.name) in ("param", "optimizer_state"):
+                weights += o.memory_cost
+            continue
+        p = phase.get(o.name, FORWARD)
+        by_phase[p] += o.compute_cost + o.communication_cost
+        if p == FORWARD:
+            activations += o.memory_cost
+    rest = plan.objective - sum(by_phase.values())
+    return by_phase[FORWARD] + rest, by_phase[BACKWARD], by_phase[APPLY], weights, activations
+
+
+def plan_stages(
+    problem: PipelineProblem,
+    stages: Sequence[tuple[tuple[int, int], Shape, Shape, tuple[int, ...]]],
+    *,
+    num_microbatches: int,
+    schedule: str,
+    method: str = "alpa",
+    pins: Mapping[str, str] | None = None,
+) -> tuple[tuple[StageResult, ...], Timeline]:
+    """Plan each stage (layers, sub-mesh, logical mesh, devices) and simulate the schedule."""
+    sched = make_schedule(schedule, len(stages), num_microbatches)
+    report = check(sched)
+    results = []
+    for i, (layers, submesh, logical, devices) in enumerate(stages):
+        plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
+        f, b, a, w, act = _stage_figures(problem, plan, layers)
+        results.append(
+            StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i])
+        )
+    timeline = simulate(
+        sched,
+        forward_time=[r.forward_time for r in results],
+        backward_time=[r.backward_time for r in results],
+        transfer_time=_transfer_time(problem, results),
+    )
+    return tuple(results), timeline
+
+
+def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> float:
+    """The slowest boundary's activation (or gradient) transfer between adjacent stages."""
+    graph, sl = problem.graph, problem.slicing
+    stage_of_layer = {}
+    for st in stages:
+        for lay in range(*st.layers):
+            stage_of_layer[lay] = st.index
+    forward = [0.0] * len(stages)  # bytes stage i sends to i + 1 (activations) ...
+    backward = [0.0] * len(stages)  # ... and receives back from it (gradients), per micro-batch
+    seen = set()
+    for op in graph.ops:
+        if sl.phase[op.index] == APPLY:
+            continue
+        dst = stage_of_layer[sl.layer[op.index]]
+        for v in op.inputs:
+            p = graph.vars[v].producer
+            if p is None or sl.phase[p] == APPLY or (v, dst) in seen:
+                continue
+            seen.add((v, dst))
+            src = stage_of_layer[sl.layer[p]]
+            if src < dst:
+                forward[src] += graph.vars[v].nbytes
+            elif src > dst:
+                backward[dst] += graph.vars[v].nbytes
+    crossing = [max(f, b) for f, b in zip(forward, backward)]
+    worst = 0.0
+    c = problem.cluster
+    for i in range(len(stages) - 1):
+        same_host = {d // c.devices_per_host for d in stages[i].device_ids} == {
+            d // c.devices_per_host for d in stages[i + 1].device_ids
+        }
+        bw = c.intra_host_bandwidth if same_host else c.inter_host_bandwidth
+        worst = max(worst, crossing[i] / bw)
+    return worst
+
+
+def plan_pipeline(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    *,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    method: str = "alpa",
+    max_stages: int | None = None,
+    problem: PipelineProblem | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
+    """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring)."""
+    problem = problem or PipelineProblem.build(graph, cluster)
+    N, M = cluster.hosts, cluster.devices_per_host
+    memory = cluster.device_memory
+
+    def cost(start: int, end: int, submesh: Shape, logical: Shape) -> StageCost | None:
+        c = problem.stage_cost(start, end, submesh, logical)
+        if c is None or c.weight_memory + c.activation_memory > memory:
+            return None  # cannot hold even one micro-batch
+        return StageCost(c.time, c.weight_memory + c.activation_memory)
+
+    if progress:
+        progress(f"stage DP: {problem.slicing.num_layers} layers on {N}x{M} devices")
+    t0, ilp0 = time.perf_counter(), problem.seconds.get("intra_op", 0.0)
+    try:
+        inter = stage_dp(problem.slicing.num_layers, N, M, num_microbatches, cost, max_stages=max_stages)
+    except InterOpError as err:
+        raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
+    problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
+    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
+    if progress:
+        progress(f"planning {len(stages)} stages")
+    results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
+    check_memory(results, cluster)
+    return problem, results, timeline
+
+
+def fixed_stages(
+    problem: PipelineProblem,
+    layer_ranges: Sequence[tuple[int, int]],
+    submeshes: Sequence[Shape] | None,
+    logical: Sequence[Shape] | None,
+) -> list[tuple[tuple[int, int], Shape, Shape, tuple[int, ...]]]:
+    """User-pinned stages: check the layer ranges and sub-meshes, place them, choose logical meshes."""
+    L = problem.slicing.num_layers
+    cluster = problem.cluster
+    N, M = cluster.hosts, cluster.devices_per_host
+    ranges = [tuple(r) for r in layer_ranges]
+    if not ranges:
+        raise InterOpError("pin_stages needs at least one stage")
+    expect = 0
+    for r in ranges:
+        if len(r) != 2 or r[0] != expect or r[1] < r[0]:
+            raise InterOpError(
+                f"stage layer ranges must be [first, last] pairs covering layers 0..{L - 1} in order without gaps; "
+                f"got {[list(x) for x in ranges]}"
+            )
+        expect = r[1] + 1
+    if expect != L:
+        raise InterOpError(f"the stages cover layers 0..{expect - 1} but the program has {L} layers (0..{L - 1})")
+    if len(ranges) > N * M:
+        raise InterOpError(f"{len(ranges)} stages need at least {len(ranges)} devices; the cluster has {N * M}")
+    if submeshes is None:
+        if (N * M) % len(ranges):
+            raise InterOpError(
+                f"cannot split {N * M} devices evenly over {len(ranges)} stages; give submeshes=[...] explicitly"
+            )
+        size = N * M // len(ranges)
+        shape = (1, size) if size <= M else (size // M, M)
+        submeshes = [shape] * len(ranges)
+    submeshes = [tuple(s) for s in submeshes]
+    if len(submeshes) != len(ranges):
+        raise InterOpError(f"{len(ranges)} stages but {len(submeshes)} sub-meshes")
+    valid = submesh_shapes(N, M)
+    for s in submeshes:
+        if s not in valid:
+            raise InterOpError(f"sub-mesh {s} is not one of the shapes Alpa places on {N}x{M}: {valid}")
+    try:
+        placed = place_submeshes(submeshes, N, M)
+    except PlacementError as err:
+        raise InterOpError(str(err)) from err
+    out = []
+    for i, ((a, b), shape, p) in enumerate(zip(ranges, submeshes, placed)):
+        if logical is not None:
+            lg = tuple(logical[i])
+            if lg not in logical_shapes(shape):
+                raise InterOpError(f"stage {i}: logical mesh {lg} does not fit sub-mesh {shape}; choose from {logical_shapes(shape)}")
+        else:
+            options = [(problem.stage_cost(a, b + 1, shape, lg), lg) for lg in logical_shapes(shape)]
+            options = [(c.time, lg) for c, lg in options if c is not None]
+            if not options:
+                raise InterOpError(f"stage {i} (layers {a}..{b}) has no feasible sharding on sub-mesh {shape}")
+            lg = min(options)[1]
+        out.append(((a, b + 1), shape, lg, p.device_ids))
+    return out
+
+
+def check_memory(stages: Sequence[StageResult], cluster: ClusterSpec) -> None:
+    """Eq. 5 for the chosen schedule, with a specific error naming the stage that overflows."""
+    for st in stages:
+        if st.memory_per_device > cluster.device_memory:
+            raise InterOpError(
+                f"stage {st.index} (layers {st.layers[0]}..{st.layers[1] - 1}) needs "
+                f"{st.memory_per_device / 2**30:.2f} GiB per device (weights {st.weight_memory / 2**30:.2f} GiB + "
+                f"{st.in_flight} micro-batches in flight x {st.activation_memory / 2**30:.2f} GiB) but a device has "
+                f"{cluster.device_memory / 2**30:.2f} GiB: give it more devices, use more stages, smaller "
+                "micro-batches, or a schedule with fewer micro-batches in flight (1f1b)"
+            )
+    if not all(math.isfinite(st.memory_per_device) for st in stages):
+        raise InterOpError("a stage's memory is not finite")

@@ -1,0 +1,232 @@
+"""Slicing a traced training step into layers and phases (Alpa, OSDI'22, sec. 5.1).
+
+The inter-op pass needs to know, for every op of the step, *when* it runs and *where*:
+
+* its phase: ``forward`` and ``backward`` run once per micro-batch; ``apply`` (the weight
+  update) runs once per step on the gradients averaged over micro-batches;
+* its layer: the stage that holds a layer runs that layer's forward, its backward
+  (sec. 5.1, constraint 1: the backward of an op lives on the stage of its forward) and
+  the update of the weights it uses.
+
+Both come from the markers ``alpa_lab.value_and_grad`` leaves in the program: boundary
+markers (hand-placed, or from ``auto_layers``) cut the forward into layers, and their
+mirrors in the backward cut it the same way; the mirror of the ``loss`` marker is where
+the backward starts; gradient markers are where the update starts. An op between markers
+takes the layer of its inputs (forward: the latest; backward: the earliest, as the
+backward runs the layers in reverse); an op that reads only weights (a cast, a transpose
+of a weight) takes the layer of its first reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from alpa_lab.graph.analysis import classify_arguments
+from alpa_lab.graph.markers import LOSS
+from alpa_lab.graph.opgraph import OpGraph
+
+__all__ = ["APPLY", "BACKWARD", "FORWARD", "ProgramSlicing", "SlicingError", "slice_program"]
+
+FORWARD, BACKWARD, APPLY = "forward", "backward", "apply"
+
+
+class SlicingError(ValueError):
+    """The step cannot be cut into pipeline stages (and why, and what to change)."""
+
+
+@dataclass(frozen=True)
+class ProgramSlicing:
+    """Phase and layer of every op of one traced step (indexed by op index)."""
+
+    num_layers: int
+    phase: tuple[str, ...]
+    layer: tuple[int, ...]
+    owner: dict[int, int]
+    """argument var -> the layer that keeps it (its first reader's layer)."""
+    accumulated: tuple[int, ...]
+    """tensors computed per micro-batch that the update reads or the step returns: the
+    pipeline averages them over micro-batches (gradients, the loss, batch statistics)."""
+    data: tuple[int, ...]
+    """argument vars that are per-step data (split into micro-batches)."""
+
+    def ops_of(self, layers: range | Sequence[int], phases: Sequence[str] = (FORWARD, BACKWARD, APPLY)) -> list[int]:
+        """Op indices in ``layers`` with a phase in ``phases``, in program order."""
+        want = set(layers)
+        return [i for i, (p, lay) in enumerate(zip(self.phase, self.layer)) if lay in want and p in phases]
+
+
+def _is_marker(op, kind: str) -> bool:
+    return op.primitive == "pipeline_marker" and op.params["kind"] == kind
+
+
+def slice_program(graph: OpGraph) -> ProgramSlicing:
+    """Phase and layer of every op; raises ``SlicingError`` if the step is not pipelinable."""
+    ops = graph.ops
+    producer = [graph.vars[v].producer for v in range(len(graph.vars))]
+    loss_markers = [op.index for op in ops if _is_marker(op, "boundary") and op.params["name"] == LOSS]
+    grad_markers = {op.index for op in ops if _is_marker(op, "gradient")}
+    if not grad_markers or len(loss_markers) < 2:
+        raise SlicingError(
+            "the step has no gradient markers, so the pipeline cannot tell the forward/backward "
+            "from the weight update: compute gradients with alpa_lab.value_and_grad (or alpa_lab.grad) "
+            "instead of jax.value_and_grad / jax.grad"
+        )
+    if len(loss_markers) > 2:
+        raise SlicingError(
+            f"the step differentiates {len(loss_markers) // 2} losses; pipelining supports one "
+            "alpa_lab.value_and_grad call per step"
+        )
+    backward_start = loss_markers[1]
+
+    # ---- phases ------------------------------------------------------------------------
+    phase = [FORWARD] * len(ops)
+    for op in ops:
+        srcs = [producer[v] for v in op.inputs if producer[v] is not None]
+        if op.index in grad_markers or op.index == backward_start:
+            phase[op.index] = BACKWARD
+        elif any(s in grad_markers or phase[s] == APPLY for s in srcs):
+            phase[op.index] = APPLY
+        elif any(phase[s] == BACKWARD for s in srcs):
+            phase[op.index] = BACKWARD
+    kinds = classify_arguments(graph)
+    data = tuple(v for v in graph.invars if kinds[v] == "data")
+    per_step = set(data)  # tensors that differ between micro-batches, and their descendants
+    needed = set()  # ops the gradients depend on
+    for op in ops:
+        if any(v in per_step for v in op.inputs):
+            per_step.update(op.outputs)
+    stack = [i for i in grad_markers]
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        stack.extend(producer[v] for v in ops[i].inputs if producer[v] is not None)
+    consumers = graph.consumers()
+    for op in reversed(ops):  # e.g. the optimizer's step count: once per step, with the update
+        if (
+            phase[op.index] == FORWARD
+            and op.index not in needed
+            and not any(v in per_step for v in op.outputs)
+            and all(phase[c] == APPLY for v in op.outputs for c in consumers[v])
+        ):
+            phase[op.index] = APPLY
+    for op in ops:
+        if phase[op.index] == APPLY:
+            bad = [graph.vars[v].name for v in op.inputs if v in data]
+            if bad:
+                raise SlicingError(
+                    f"the weight update ({op.name}, {op.label or 'no label'}) reads the batch ({', '.join(bad)}) "
+                    "directly; the pipeline only gives the update gradients averaged over micro-batches"
+                )
+
+    # ---- forward boundaries and their backward mirrors -----------------------------------
+    # a named boundary is its name; unnamed markers adjacent in the program (one
+    # mark_stage_boundary call) are one boundary, and the backward mirrors them in reverse
+    forward_cuts: dict[str, int] = {}  # boundary key -> ordinal 1..n
+    unnamed_forward: list[list[int]] = []
+    mirror: dict[int, int] = {}  # boundary marker op -> ordinal of its forward boundary
+    unnamed_backward: list[list[int]] = []
+    for op in ops:
+        if not _is_marker(op, "boundary") or op.params["name"] == LOSS:
+            continue
+        name = op.params["name"]
+        if phase[op.index] == FORWARD:
+            if not name:
+                if unnamed_forward and unnamed_forward[-1][-1] == op.index - 1:
+                    unnamed_forward[-1].append(op.index)
+                else:
+                    unnamed_forward.append([op.index])
+            key = name or f"#{len(unnamed_forward)}"
+            forward_cuts.setdefault(key, len(forward_cuts) + 1)
+            mirror[op.index] = forward_cuts[key]
+        elif phase[op.index] == BACKWARD:
+            if name:
+                if name not in forward_cuts:
+                    raise SlicingError(f"boundary marker {name!r} appears in the backward pass only")
+                mirror[op.index] = forward_cuts[name]
+            elif unnamed_backward and unnamed_backward[-1][-1] == op.index - 1:
+                unnamed_backward[-1].append(op.index)
+            else:
+                unnamed_backward.append([op.index])
+    for group, fgroup in zip(unnamed_backward, reversed(unnamed_forward)):
+        for b in group:
+            mirror[b] = mirror[fgroup[0]]
+    num_layers = len(forward_cuts) + 1
+
+    # ---- layers ----------------------------------------------------------------------------
+    layer: list[int | None] = [None] * len(ops)
+    var_layer: dict[int, int] = {v: 0 for v in data}  # the batch enters at the first layer
+    for op in ops:  # forward: latest input layer; a boundary opens its layer
+        i = op.index
+        if phase[i] != FORWARD:
+            continue
+        if i in mirror:
+            layer[i] = mirror[i]
+        else:
+            known = [var_layer[v] for v in op.inputs if v in var_layer]
+            layer[i] = max(known) if known else None
+        if layer[i] is not None:
+            var_layer.update((v, layer[i]) for v in op.outputs)
+    back_layer: dict[int, int] = {}
+    for op in ops:  # backward: earliest backward-input layer; a mirror closes its layer
+        i = op.index
+        if phase[i] != BACKWARD:
+            continue
+        if i == backward_start:
+            layer[i] = num_layers - 1
+        elif i in mirror:
+            layer[i] = mirror[i] - 1
+        else:
+            known = [back_layer[v] for v in op.inputs if v in back_layer]
+            layer[i] = min(known) if known else num_layers - 1
+        back_layer.update((v, layer[i]) for v in op.outputs)
+    for op in reversed(ops):  # forward ops that read only weights: their first reader's layer
+        i = op.index
+        if phase[i] == FORWARD and layer[i] is None:
+            readers = [layer[c] for v in op.outputs for c in consumers[v] if layer[c] is not None]
+            layer[i] = min(readers) if readers else 0
+    owner = {}
+    for v in graph.invars:
+        readers = [layer[c] for c in consumers[v] if phase[c] != APPLY and layer[c] is not None]
+        if readers:
+            owner[v] = min(readers)
+    known_var: dict[int, int] = dict(owner)
+    for op in ops:
+        if phase[op.index] != APPLY:
+            known_var.update((v, layer[op.index]) for v in op.outputs)
+    for op in ops:  # the update: with the weights and gradients it reads
+        i = op.index
+        if phase[i] != APPLY:
+            continue
+        known = [known_var[v] for v in op.inputs if v in known_var]
+        if known:
+            layer[i] = min(known)
+            known_var.update((v, layer[i]) for v in op.outputs)
+    for op in reversed(ops):  # update ops on optimizer state alone (a step count)
+        i = op.index
+        if layer[i] is None:
+            readers = [layer[c] for v in op.outputs for c in consumers[v] if layer[c] is not None]
+            layer[i] = min(readers) if readers else 0
+    for v in graph.invars:
+        if v not in owner:
+            readers = [layer[c] for c in consumers[v]]
+            owner[v] = min(readers) if readers else 0
+
+    returned = set(graph.outvars)
+    accumulated = tuple(
+        v
+        for op in ops
+        if phase[op.index] != APPLY
+        for v in op.outputs
+        if v in returned or any(phase[c] == APPLY for c in consumers[v])
+    )
+    return ProgramSlicing(
+        num_layers=num_layers,
+        phase=tuple(phase),
+        layer=tuple(int(x) for x in layer),
+        owner=owner,
+        accumulated=accumulated,
+        data=data,
+    )

@@ -1,0 +1,276 @@
+"""Run a pipeline plan on this process's devices: stages on sub-meshes, micro-batches, schedule.
+
+Each stage's ops are split into *unit tasks* (the cross-mesh resharding paper's term):
+the stage's forward and its backward, run once per micro-batch, and pieces of the weight
+update, run once per step. Every unit task is one ``jax.jit`` on the stage's sub-mesh with
+the stage plan's shardings (``compile_graph``). The driver walks each stage's instruction
+list of the schedule: a stage runs its next RUN as soon as the tensors it needs exist, a
+tensor from another stage is moved to the consumer's mesh and sharding with
+``jax.device_put`` (the SEND/RECV pair), and a micro-batch's activations are dropped after
+their last reader (FREE). Tensors the update reads (gradients, the loss, batch statistics)
+are summed over micro-batches where they are produced and divided by their number: the
+step's gradient is the mean of the micro-batch gradients, which for a loss that is a mean
+over the batch is the full batch's gradient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from alpa_lab.graph.opgraph import OpGraph
+from alpa_lab.graph.subgraph import subgraph
+from alpa_lab.passes.pipeline import StageResult
+from alpa_lab.passes.schedule import BACKWARD, FORWARD, Schedule
+from alpa_lab.passes.stages import APPLY, ProgramSlicing
+from alpa_lab.runtime.apply import DeviceError, compile_graph
+from alpa_lab.sharding.spec import ShardingSpec
+
+__all__ = ["CompiledPipeline", "PipelineRunError", "compile_pipeline", "split_microbatches"]
+
+
+class PipelineRunError(RuntimeError):
+    """The pipeline cannot run as planned (the state passed in is left untouched)."""
+
+
+@dataclass(frozen=True, eq=False)
+class UnitTask:
+    """A piece of one stage run as one jitted call: reads ``invars``, writes ``outvars``."""
+
+    stage: int
+    phase: str
+    fn: Callable[..., Any]
+    invars: tuple[int, ...]
+    outvars: tuple[int, ...]
+    in_shardings: tuple[NamedSharding, ...]
+
+
+@dataclass(eq=False)
+class CompiledPipeline:
+    """A pipeline plan bound to devices: call it with the step's flat arguments (full batch)."""
+
+    graph: OpGraph
+    slicing: ProgramSlicing
+    stages: tuple[StageResult, ...]
+    schedule: Schedule
+    num_microbatches: int
+    split: tuple[bool, ...]
+    """per flat argument: is it split into micro-batches (axis 0)?"""
+    meshes: tuple[Mesh, ...]
+    tasks: dict[tuple[int, str], UnitTask]
+    update: tuple[UnitTask, ...]
+    stage_of_op: tuple[int, ...]
+    input_sharding: dict[tuple[int, int], NamedSharding]
+    plan: Any = None
+    """the PipelinePlan this was compiled from (set by ``ParallelizedStep``)."""
+    last_timings: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *flat_args: Any) -> list[Any]:
+        return _run(self, flat_args)
+
+
+def _mesh(device_ids: Sequence[int], shape: tuple[int, int], devices: list) -> Mesh:
+    need = max(device_ids) + 1
+    if len(devices) < need:
+        raise DeviceError(
+            f"the pipeline uses devices up to id {need - 1} but JAX sees {len(devices)}; for simulated CPU devices "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX is first imported "
+            "(in a notebook: restart the kernel after setting it)"
+        )
+    return Mesh(np.array([devices[i] for i in device_ids], dtype=object).reshape(shape), ("x", "y"))
+
+
+def compile_pipeline(
+    graph: OpGraph,
+    slicing: ProgramSlicing,
+    stages: Sequence[StageResult],
+    schedule: Schedule,
+    split: Sequence[bool],
+    devices: list | None = None,
+) -> CompiledPipeline:
+    """Unit tasks of every stage, jitted on their sub-meshes with the stage plans' shardings."""
+    unsupported = {i.phase for lst in schedule.instructions for i in lst} - {FORWARD, BACKWARD}
+    if unsupported or getattr(schedule, "mesh_of_stage", ()):
+        raise PipelineRunError(
+            f"the runtime runs schedules of whole forwards and backwards, one stage per mesh (gpipe, 1f1b, "
+            f"eager_1f1b); {schedule.name!r} is for planning and simulation only"
+        )
+    devices = list(jax.devices()) if devices is None else list(devices)
+    meshes = tuple(_mesh(st.device_ids, st.logical_shape, devices) for st in stages)
+    stage_of_layer = {lay: st.index for st in stages for lay in range(*st.layers)}
+    stage_of_op = tuple(stage_of_layer[lay] for lay in slicing.layer)
+
+    # the sharding each stage gives every tensor it touches (its plan, by op name and path)
+    spec: list[dict[int, str]] = []
+    for st in stages:
+        piece = subgraph(graph, [i for i, s in enumerate(stage_of_op) if s == st.index])
+        specs = dict(zip(piece.invars, (t.spec for t in st.plan.inputs)))
+        by_name = {o.name: o for o in st.plan.ops if o.kind == "op"}
+        for i in sorted(set(piece.var_map) - set(piece.invars)):
+            p = graph.vars[i].producer
+            if p is not None and stage_of_op[p] == st.index:
+                op = graph.ops[p]
+                specs[i] = by_name[op.name].output_specs[op.outputs.index(i)]
+        spec.append(specs)
+
+    def unit(stage: int, phase: str, ops: list[int]) -> UnitTask:
+        piece = subgraph(graph, ops)
+        mesh = meshes[stage]
+        by_name = {o.name: o for o in stages[stage].plan.ops if o.kind == "op"}
+        in_specs = [spec[stage][v] for v in piece.invars]
+        out_specs = [spec[stage][v] for v in piece.outvars]
+        fn, ins, _ = compile_graph(piece.graph, by_name, in_specs, out_specs, mesh)
+        return UnitTask(stage, phase, fn, piece.invars, piece.outvars, ins)
+
+    tasks = {}
+    for st in stages:
+        for phase in (FORWARD, BACKWARD):
+            ops = [i for i, s in enumerate(stage_of_op) if s == st.index and slicing.phase[i] == phase]
+            tasks[(st.index, phase)] = unit(st.index, phase, ops)
+    update = tuple(unit(s, APPLY, ops) for s, ops in _update_pieces(graph, slicing, stage_of_op))
+    input_sharding = {}
+    for st in stages:
+        for v, text in spec[st.index].items():
+            if graph.vars[v].kind == "input":
+                input_sharding[(v, st.index)] = NamedSharding(meshes[st.index], ShardingSpec.parse(text).to_partition_spec())
+    return CompiledPipeline(
+        graph, slicing, tuple(stages), schedule, schedule.num_microbatches, tuple(split), meshes, tasks, update,
+        stage_of_op, input_sharding,
+    )
+
+
+def _update_pieces(graph: OpGraph, slicing: ProgramSlicing, stage_of_op: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """The weight update cut into per-stage pieces, in an order that respects its dataflow.
+
+    Kahn's order, staying on one stage while it can: a global-norm clip (every stage's sum,
+    then the scale back to every stage) becomes a handful of pieces, not one per op.
+    """
+    ops = [i for i, p in enumerate(slicing.phase) if p == APPLY]
+    inside = set(ops)
+    waiting = {i: {graph.vars[v].producer for v in graph.ops[i].inputs} & inside for i in ops}
+    readers = defaultdict(list)
+    for i in ops:
+        for p in waiting[i]:
+            readers[p].append(i)
+    ready = sorted(i for i in ops if not waiting[i])
+    pieces: list[tuple[int, list[int]]] = []
+    current = None
+    while ready:
+        same = [i for i in ready if stage_of_op[i] == current]
+        if not same:
+            current = stage_of_op[ready[0]]
+            pieces.append((current, []))
+            same = [i for i in ready if stage_of_op[i] == current]
+        i = same[0]
+        ready.remove(i)
+        pieces[-1][1].append(i)
+        for r in readers[i]:
+            waiting[r].discard(i)
+            if not waiting[r]:
+                ready.append(r)
+        ready.sort()
+    return pieces
+
+
+def split_microbatches(x: Any, num_microbatches: int) -> list[Any]:
+    """``x`` cut along axis 0 into equal micro-batches."""
+    n = x.shape[0]
+    if n % num_microbatches:
+        raise PipelineRunError(
+            f"a batch of {n} cannot be split into {num_microbatches} equal micro-batches; "
+            "choose a micro-batch count that divides the batch size"
+        )
+    b = n // num_microbatches
+    return [x[m * b : (m + 1) * b] for m in range(num_microbatches)]
+
+
+def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
+    graph, sl, M = cp.graph, cp.slicing, cp.num_microbatches
+    if len(flat_args) != len(graph.invars):
+        raise PipelineRunError(f"the step takes {len(flat_args)} flat arguments; the plan was made for {len(graph.invars)}")
+    t0 = time.perf_counter()
+    args = dict(zip(graph.invars, flat_args))
+    micro = {v: split_microbatches(x, M) for v, x, s in zip(graph.invars, flat_args, cp.split) if s}
+    placed: dict[tuple, Any] = {}  # (var, micro-batch or -1, stage) -> array on that stage's mesh
+    store: dict[tuple[int, int], Any] = {}  # (var, micro-batch) -> value on its producer's mesh
+    accumulated = set(sl.accumulated)
+    sums: dict[int, Any] = {}
+    step_values: dict[int, Any] = {}  # once-per-step tensors: averages and update results
+
+    def fetch(v: int, mb: int, stage: int, sharding: NamedSharding) -> Any:
+        var = graph.vars[v]
+        if var.kind == "input":
+            if v in micro:
+                key = (v, mb, stage)
+                if key not in placed:
+                    placed[key] = jax.device_put(micro[v][mb], sharding)
+                return placed[key]
+            key = (v, -1, stage)
+            if key not in placed:
+                placed[key] = jax.device_put(args[v], sharding)
+            return placed[key]
+        value = step_values[v] if mb < 0 else store[(v, mb)]
+        key = (v, mb, stage)
+        if key not in placed:
+            placed[key] = jax.device_put(value, sharding)  # SEND/RECV (a no-op on the same mesh)
+        return placed[key]
+
+    pending = {st.index: list(cp.schedule.runs(st.index)) for st in cp.stages}
+    done: set[tuple[int, str, int]] = set()
+    producer_task = {}
+    for (s, phase), t in cp.tasks.items():
+        for v in t.outvars:
+            producer_task[v] = (s, phase)
+    needs = {
+        key: {producer_task[v] for v in t.invars if v in producer_task} for key, t in cp.tasks.items()
+    }
+    stage_seconds = defaultdict(float)
+    progress = True
+    while progress:
+        progress = False
+        for s, queue in pending.items():
+            while queue:
+                phase, mb = queue[0]
+                if any((ps, pp, mb) not in done for ps, pp in needs[(s, phase)]):
+                    break
+                task = cp.tasks[(s, phase)]
+                ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
+                t = time.perf_counter()
+                outs = task.fn(*ins)
+                stage_seconds[(s, phase)] += time.perf_counter() - t
+                for v, x in zip(task.outvars, outs):
+                    store[(v, mb)] = x
+                    if v in accumulated:
+                        sums[v] = x if v not in sums else sums[v] + x
+                done.add((s, phase, mb))
+                queue.pop(0)
+                progress = True
+    stuck = {s: q[0] for s, q in pending.items() if q}
+    if stuck:
+        raise PipelineRunError(f"the schedule deadlocked with stages waiting on {stuck}")
+    for v, total in sums.items():
+        step_values[v] = total / M if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact) else store[(v, M - 1)]
+    for task in cp.update:
+        ins = [fetch(v, -1, task.stage, sh) for v, sh in zip(task.invars, task.in_shardings)]
+        for v, x in zip(task.outvars, task.fn(*ins)):
+            step_values[v] = x
+    out = []
+    for v in graph.outvars:
+        var = graph.vars[v]
+        if var.kind == "input":
+            out.append(args[v])
+        elif var.kind == "const":
+            out.append(graph.consts[v])
+        elif var.kind == "literal":
+            out.append(graph.literals[v])
+        else:
+            out.append(step_values[v])
+    cp.last_timings = {"seconds": time.perf_counter() - t0, "dispatch_seconds": dict(stage_seconds)}
+    return out

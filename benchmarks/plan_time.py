@@ -1,0 +1,246 @@
+"""Two-level planning time and plan quality on the Alpa paper's GPT and Wide-ResNet configurations.
+
+For each configuration (GPT: Alpa OSDI'22 Table 4, 350M on 1 V100 up to 39B on 64, p3.16xlarge
+hosts; Wide-ResNet: the same table's WResNet rows) this traces the training step on one
+micro-batch with abstract (shape-only) state, plans it, and prints:
+
+* planning seconds split into trace (with layering), slicing, intra-op solves, stage DP and
+  the final per-stage plans;
+* the stages (layers, sub-mesh, logical mesh), the estimated step time and PFLOPS;
+* in the same run, under the same cost model, the baselines of sec. 8: (a) the best
+  Megatron-style configuration by grid search over (data, tensor, pipeline) degrees, tensor
+  parallelism inside a host, equal layers per stage, each stage planned with the ``megatron``
+  method; (b) "equal layer": equal layers per stage on equal sub-meshes, each stage planned by
+  the intra-op pass, best stage count; (c) "equal operator": stage boundaries at the layer
+  boundaries nearest to equal op counts, equal sub-meshes; (d) with ``--no-reuse-up-to``, the
+  planning time without repeated-layer reuse (every layer solved on its own).
+
+Ratios > 1 in the "vs" columns mean our plan is faster. This machine is noisy and has 2 cores:
+read ratios, not absolute seconds.
+
+    python benchmarks/plan_time.py [--models gpt,wresnet] [--rows 350M,1.3B,...] [--no-reuse-up-to 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+
+import jax
+
+import alpa_lab as al
+from alpa_lab.api import microbatch_args
+from alpa_lab.graph.markers import auto_layers
+from alpa_lab.graph.trace import trace
+from alpa_lab.models import gpt_config, make_gpt, make_wide_resnet, wide_resnet_config
+from alpa_lab.passes.inter_op import logical_shapes
+from alpa_lab.passes.pipeline import PipelineProblem, plan_pipeline
+from alpa_lab.passes.submesh import place_submeshes, submesh_shapes
+
+# name: (hidden, layers, heads, devices) -- Alpa OSDI'22 Table 4 (GPT-3 family), seq 1024, batch 1024
+GPT_ROWS = {
+    "350M": (1024, 24, 16, 1),
+    "1.3B": (2048, 24, 32, 4),
+    "2.6B": (2560, 32, 32, 8),
+    "6.7B": (4096, 32, 32, 16),
+    "15B": (5120, 48, 40, 32),
+    "39B": (8192, 48, 64, 64),
+    "175B": (12288, 96, 96, 1024),
+}
+# name: (blocks per stage, base width, width factor, devices) -- sized after Table 4's Wide-ResNet
+# rows (our Wide-ResNet has basic blocks, 4 stages; the printed parameter count is the real one)
+WRN_ROWS = {
+    "250M": (4, 160, 2, 1),
+    "1B": (4, 320, 2, 4),
+    "2B": (4, 448, 2, 8),
+    "4B": (4, 640, 2, 16),
+    "6.8B": (4, 320, 8, 32),
+}
+TARGETS = {"39B": 10.0, "175B": 60.0}
+
+
+def cluster_for(devices: int) -> al.ClusterSpec:
+    """``devices`` V100s: part of one p3.16xlarge, or whole hosts of 8."""
+    if devices < 8:
+        return dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", hosts=1), devices_per_host=devices)
+    return al.ClusterSpec.preset("p3.16xlarge", hosts=devices // 8)
+
+
+def eq2(times: list[float], microbatches: int) -> float:
+    return sum(times) + (microbatches - 1) * max(times)
+
+
+def fits(problem: PipelineProblem, stages: list, microbatches: int, method: str) -> list[float] | None:
+    """Per-stage t_i if every stage fits memory under 1F1B (eq. 5), else None."""
+    times = []
+    S = len(stages)
+    for i, (start, end, submesh, logical) in enumerate(stages):
+        c = problem.stage_cost(start, end, submesh, logical, method=method)
+        if c is None or c.weight_memory + min(S - i, microbatches) * c.activation_memory > problem.cluster.device_memory:
+            return None
+        times.append(c.time)
+    return times
+
+
+def equal_submesh(cluster: al.ClusterSpec, S: int) -> tuple[int, int] | None:
+    D = cluster.num_devices
+    if D % S:
+        return None
+    size = D // S
+    shape = (1, size) if size <= cluster.devices_per_host else (size // cluster.devices_per_host, cluster.devices_per_host)
+    if shape not in submesh_shapes(cluster.hosts, cluster.devices_per_host) or math.prod(shape) != size:
+        return None
+    try:
+        place_submeshes([shape] * S, cluster.hosts, cluster.devices_per_host)
+    except ValueError:
+        return None
+    return shape
+
+
+def best_over_logical(problem, ranges, shape, microbatches, method="alpa") -> float:
+    """Equal sub-meshes, the best logical mesh per stage (the intra-op pass's choice)."""
+    stages = []
+    for start, end in ranges:
+        options = [(problem.stage_cost(start, end, shape, lg, method=method), lg) for lg in logical_shapes(shape)]
+        options = [(c.time, lg) for c, lg in options if c is not None]
+        if not options:
+            return math.inf
+        stages.append((start, end, shape, min(options)[1]))
+    times = fits(problem, stages, microbatches, method)
+    return eq2(times, microbatches) if times else math.inf
+
+
+def equal_ranges(L: int, S: int) -> list[tuple[int, int]] | None:
+    if L % S:
+        return None
+    k = L // S
+    return [(i * k, (i + 1) * k) for i in range(S)]
+
+
+def equal_layer(problem, microbatches: int) -> tuple[float, int]:
+    L, best = problem.slicing.num_layers, (math.inf, 0)
+    for S in range(1, min(L, problem.cluster.num_devices) + 1):
+        shape, ranges = equal_submesh(problem.cluster, S), equal_ranges(L, S)
+        if shape and ranges:
+            best = min(best, (best_over_logical(problem, ranges, shape, microbatches), S))
+    return best
+
+
+def equal_operator(problem, microbatches: int) -> tuple[float, int]:
+    """Boundaries at the layer boundaries nearest to equal op counts per stage."""
+    L, best = problem.slicing.num_layers, (math.inf, 0)
+    per_layer = [len(problem.slicing.ops_of([lay])) for lay in range(L)]
+    prefix = [0]
+    for n in per_layer:
+        prefix.append(prefix[-1] + n)
+    for S in range(1, min(L, problem.cluster.num_devices) + 1):
+        shape = equal_submesh(problem.cluster, S)
+        if not shape:
+            continue
+        cuts = [0]
+        for k in range(1, S):
+            target = prefix[-1] * k / S
+            b = min(range(cuts[-1] + 1, L - (S - k) + 1), key=lambda j: abs(prefix[j] - target))
+            cuts.append(b)
+        cuts.append(L)
+        ranges = list(zip(cuts[:-1], cuts[1:]))
+        best = min(best, (best_over_logical(problem, ranges, shape, microbatches), S))
+    return best
+
+
+def megatron(problem, microbatches: int) -> tuple[float, tuple[int, int, int]]:
+    """Grid search over (dp, tp, pp): tp within a host, equal layers, megatron-style stages."""
+    c = problem.cluster
+    L, D, best = problem.slicing.num_layers, c.num_devices, (math.inf, (0, 0, 0))
+    for pp in range(1, min(L, D) + 1):
+        shape, ranges = equal_submesh(c, pp), equal_ranges(L, pp)
+        if not shape or not ranges:
+            continue
+        size = D // pp
+        for tp in (t for t in range(1, c.devices_per_host + 1) if size % t == 0 and c.devices_per_host % t == 0):
+            dp = size // tp
+            stages = [(a, b, shape, (dp, tp)) for a, b in ranges]
+            times = fits(problem, stages, microbatches, "megatron")
+            if times:
+                best = min(best, (eq2(times, microbatches), (dp, tp, pp)))
+    return best
+
+
+def plan_row(kind: str, name: str, row: tuple, args) -> None:
+    if kind == "gpt":
+        hidden, layers, heads, devices = row
+        ex = make_gpt(gpt_config(layers=layers, hidden=hidden, heads=heads, batch=args.batch), abstract=True)
+        num_layers = layers
+    else:
+        blocks, width, factor, devices = row
+        ex = make_wide_resnet(
+            wide_resnet_config(blocks=blocks, base_width=width, width_factor=factor, batch=args.wrn_batch), abstract=True
+        )
+        num_layers = 4 * blocks
+    cluster = cluster_for(devices)
+    M = args.microbatches
+    params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(ex.state.params))
+    t0 = time.perf_counter()
+    micro, _ = microbatch_args(ex.train_step, ex.args, M)
+    with auto_layers(num_layers):
+        graph = trace(ex.train_step, *micro)
+    t_trace = time.perf_counter() - t0
+    problem, stages, timeline = plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b")
+    total = time.perf_counter() - t0
+    s = problem.seconds
+    step = timeline.makespan + max(st.apply_time for st in stages)
+    ours_eq2 = eq2([st.forward_time + st.backward_time for st in stages], M)
+    pflops = graph.total_flops * M / step / 1e15
+    layout = " ".join(
+        f"[{st.layers[0]}-{st.layers[1] - 1}]{st.submesh_shape[0]}x{st.submesh_shape[1]}/{st.logical_shape[0]}x{st.logical_shape[1]}"
+        for st in stages
+    )
+    t1 = time.perf_counter()
+    mega, cfg = megatron(problem, M)
+    eql, eql_s = equal_layer(problem, M)
+    eqo, eqo_s = equal_operator(problem, M)
+    t_base = time.perf_counter() - t1
+    target = TARGETS.get(name)
+    flag = "" if target is None else (f"  target <{target:.0f}s: {'met' if total < target else 'MISSED'}")
+    print(
+        f"{kind} {name:>5} ({params / 1e9:.2f}B params) on {devices:>4} dev | plan {total:6.2f}s "
+        f"(trace {t_trace:.2f}, slicing {s.get('slicing', 0):.2f}, "
+        f"intra-op {s.get('intra_op', 0):.2f}, DP {s.get('stage_dp', 0):.2f}, stages {s.get('stage_plans', 0):.2f}){flag}"
+    )
+    print(f"    {len(stages)} stages: {layout}")
+    print(
+        f"    step {step * 1e3:9.1f} ms ({pflops:.3f} PFLOPS); eq.2 latency ours {ours_eq2 * 1e3:.1f} ms | "
+        f"Megatron best {mega * 1e3:.1f} ms (dp,tp,pp)={cfg} vs {mega / ours_eq2:.2f}x | equal layer {eql * 1e3:.1f} ms "
+        f"(S={eql_s}) vs {eql / ours_eq2:.2f}x | equal operator {eqo * 1e3:.1f} ms (S={eqo_s}) vs {eqo / ours_eq2:.2f}x "
+        f"[baselines {t_base:.1f}s]"
+    )
+    if args.no_reuse_up_to and devices <= args.no_reuse_up_to:
+        t2 = time.perf_counter()
+        fresh = PipelineProblem.build(graph, cluster, reuse=False)
+        plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b", problem=fresh)
+        print(f"    without repeated-layer reuse: planned in {time.perf_counter() - t2:.2f}s (vs {total - t_trace:.2f}s after tracing)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt,wresnet")
+    parser.add_argument("--rows", default="350M,1.3B,2.6B,6.7B,15B,39B,250M,1B,2B,4B,6.8B")
+    parser.add_argument("--batch", type=int, default=1024, help="GPT global batch (sequences)")
+    parser.add_argument("--wrn-batch", type=int, default=1536, help="Wide-ResNet global batch (images)")
+    parser.add_argument("--microbatches", type=int, default=32)
+    parser.add_argument("--no-reuse-up-to", type=int, default=4, help="also plan without reuse for rows up to this many devices")
+    args = parser.parse_args()
+    rows = args.rows.split(",")
+    print(f"Two-level planning on p3.16xlarge hosts (V100, NVLink inside a host, 25 Gb/s across); {args.microbatches} micro-batches, 1F1B")
+    for kind, table in (("gpt", GPT_ROWS), ("wresnet", WRN_ROWS)):
+        if kind not in args.models.split(","):
+            continue
+        for name, row in table.items():
+            if name in rows:
+                plan_row(kind, name, row, args)
+
+
+if __name__ == "__main__":
+    main()
