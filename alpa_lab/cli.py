@@ -40,12 +40,20 @@ def demo(args: argparse.Namespace) -> int:
     for name in names:
         config_cls, make = EXAMPLES[name]
         ex = make(config_cls())
-        print(f"== {name} on {cluster.name} ({cluster.num_devices} simulated devices), method {args.method}")
-        step = al.parallelize(ex.train_step, cluster=cluster, method=args.method)
+        pipelined = args.microbatches is not None
+        how = f", pipelined: {args.microbatches} micro-batches, {args.schedule}" if pipelined else ""
+        print(f"== {name} on {cluster.name} ({cluster.num_devices} simulated devices), method {args.method}{how}")
+        if pipelined:
+            step = al.parallelize(
+                ex.train_step, cluster=cluster, method=args.method, microbatches=args.microbatches,
+                schedule=args.schedule, layers=args.layers,
+            )
+        else:
+            step = al.parallelize(ex.train_step, cluster=cluster, method=args.method)
         t0 = time.perf_counter()
         plan = step.plan(*ex.args, progress=lambda msg: print("   ", msg))
         print(f"   planned in {time.perf_counter() - t0:.2f}s")
-        print(plan.summary(max_rows=args.rows))
+        print(plan.summary() if pipelined else plan.summary(max_rows=args.rows))
         reference = jax.jit(ex.train_step)
         state, ref_state = ex.state, ex.state
         for i in range(args.steps):
@@ -54,7 +62,13 @@ def demo(args: argparse.Namespace) -> int:
             print(f"   step {i}: loss {float(loss):.6f} (unsharded {float(ref_loss):.6f})")
         diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state))]
         print(f"   max |sharded - unsharded| over the state after {args.steps} steps: {max(diffs):.2e}")
-        print("  ", str(plan.compare_collectives(step.compiled_hlo(state, ex.batch))).replace("\n", "\n   "))
+        if pipelined:
+            if name == "wide_resnet":
+                print("   (BatchNorm statistics are per micro-batch, so the pipelined step is not the full-batch step)")
+            times = step.compiled(state, ex.batch).last_timings["dispatch_seconds"]
+            print("   last step, host seconds per unit task: " + ", ".join(f"stage {s} {p} {t * 1e3:.1f} ms" for (s, p), t in times.items()))
+        else:
+            print("  ", str(plan.compare_collectives(step.compiled_hlo(state, ex.batch))).replace("\n", "\n   "))
     return 0
 
 
@@ -67,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--method", default="alpa", choices=al.METHODS)
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--rows", type=int, default=12, help="ops shown in each plan summary")
+    d.add_argument("--microbatches", type=int, default=None, help="pipeline the step with this many micro-batches")
+    d.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, eager_1f1b")
+    d.add_argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args)

@@ -39,24 +39,25 @@ from alpa_lab.passes.inter_op import logical_shapes
 from alpa_lab.passes.pipeline import PipelineProblem, plan_pipeline
 from alpa_lab.passes.submesh import place_submeshes, submesh_shapes
 
-# name: (hidden, layers, heads, devices) -- Alpa OSDI'22 Table 4 (GPT-3 family), seq 1024, batch 1024
+# name: (hidden, layers, heads, devices, micro-batches) -- Alpa OSDI'22 Table 4 (GPT-3 family), seq
+# 1024, batch 1024; micro-batches chosen so that activations fit a 16 GB V100 (eq. 5)
 GPT_ROWS = {
-    "350M": (1024, 24, 16, 1),
-    "1.3B": (2048, 24, 32, 4),
-    "2.6B": (2560, 32, 32, 8),
-    "6.7B": (4096, 32, 32, 16),
-    "15B": (5120, 48, 40, 32),
-    "39B": (8192, 48, 64, 64),
-    "175B": (12288, 96, 96, 1024),
+    "350M": (1024, 24, 16, 1, 1024),
+    "1.3B": (2048, 24, 32, 4, 512),
+    "2.6B": (2560, 32, 32, 8, 256),
+    "6.7B": (4096, 32, 32, 16, 256),
+    "15B": (5120, 48, 40, 32, 128),
+    "39B": (8192, 48, 64, 64, 128),
+    "175B": (12288, 96, 96, 1024, 64),
 }
 # name: (blocks per stage, base width, width factor, devices) -- sized after Table 4's Wide-ResNet
 # rows (our Wide-ResNet has basic blocks, 4 stages; the printed parameter count is the real one)
 WRN_ROWS = {
-    "250M": (4, 160, 2, 1),
-    "1B": (4, 320, 2, 4),
-    "2B": (4, 448, 2, 8),
-    "4B": (4, 640, 2, 16),
-    "6.8B": (4, 320, 8, 32),
+    "250M": (4, 160, 2, 1, 96),
+    "1B": (4, 320, 2, 4, 48),
+    "2B": (4, 448, 2, 8, 48),
+    "4B": (4, 640, 2, 16, 24),
+    "6.8B": (4, 320, 8, 32, 24),
 }
 TARGETS = {"39B": 10.0, "175B": 60.0}
 
@@ -170,17 +171,17 @@ def megatron(problem, microbatches: int) -> tuple[float, tuple[int, int, int]]:
 
 def plan_row(kind: str, name: str, row: tuple, args) -> None:
     if kind == "gpt":
-        hidden, layers, heads, devices = row
-        ex = make_gpt(gpt_config(layers=layers, hidden=hidden, heads=heads, batch=args.batch), abstract=True)
+        hidden, layers, heads, devices, M = row
+        ex = make_gpt(gpt_config(layers=layers, hidden=hidden, heads=heads, batch=args.batch, dtype=args.dtype), abstract=True)
         num_layers = layers
     else:
-        blocks, width, factor, devices = row
+        blocks, width, factor, devices, M = row
         ex = make_wide_resnet(
             wide_resnet_config(blocks=blocks, base_width=width, width_factor=factor, batch=args.wrn_batch), abstract=True
         )
         num_layers = 4 * blocks
     cluster = cluster_for(devices)
-    M = args.microbatches
+    M = args.microbatches or M
     params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(ex.state.params))
     t0 = time.perf_counter()
     micro, _ = microbatch_args(ex.train_step, ex.args, M)
@@ -229,11 +230,12 @@ def main() -> None:
     parser.add_argument("--rows", default="350M,1.3B,2.6B,6.7B,15B,39B,250M,1B,2B,4B,6.8B")
     parser.add_argument("--batch", type=int, default=1024, help="GPT global batch (sequences)")
     parser.add_argument("--wrn-batch", type=int, default=1536, help="Wide-ResNet global batch (images)")
-    parser.add_argument("--microbatches", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=None, help="override every row's micro-batch count")
+    parser.add_argument("--dtype", default="float16", help="GPT parameter and compute dtype (the paper trains in fp16)")
     parser.add_argument("--no-reuse-up-to", type=int, default=4, help="also plan without reuse for rows up to this many devices")
     args = parser.parse_args()
     rows = args.rows.split(",")
-    print(f"Two-level planning on p3.16xlarge hosts (V100, NVLink inside a host, 25 Gb/s across); {args.microbatches} micro-batches, 1F1B")
+    print("Two-level planning on p3.16xlarge hosts (V100 16 GB, NVLink inside a host, 25 Gb/s across), 1F1B")
     for kind, table in (("gpt", GPT_ROWS), ("wresnet", WRN_ROWS)):
         if kind not in args.models.split(","):
             continue

@@ -7,7 +7,11 @@ devices share this machine's cores, so the step-time ratio shows the cost of the
 program's extra work (collectives, constraints), not a real speed-up; on a real cluster the
 devices run in parallel.
 
-    python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2]
+With ``--pipeline`` it also runs each model pipelined on 2 hosts x 4 simulated devices
+(2 stages on 1x4 sub-meshes, 4 micro-batches, each schedule) against, in the same run, the
+single-mesh plan on all 8 devices and ``jax.jit`` on one device.
+
+    python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2] [--pipeline]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,gpt,bert,moe,wide_resnet")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--mesh", default="2x2")
+    parser.add_argument("--pipeline", action="store_true", help="also run the pipelined rows (needs 8 devices)")
     args = parser.parse_args()
     n0, n1 = (int(x) for x in args.mesh.split("x"))
     cluster = al.ClusterSpec.local(1, n0 * n1)
@@ -58,6 +63,32 @@ def main() -> None:
         base_first, base_s = timed_steps(jax.jit(ex.train_step), ex.state, ex.batch, args.steps)
         print(f"{name:<12} {plan_s:>7.2f} | {first:>9.2f} {base_first:>7.2f} {first / base_first:>6.2f} | "
               f"{step_s * 1e3:>8.2f} {base_s * 1e3:>8.2f} {step_s / base_s:>6.2f}", flush=True)
+    if args.pipeline:
+        pipeline_rows(args.models.split(","), args.steps)
+
+
+def pipeline_rows(models: list[str], steps: int) -> None:
+    cluster = al.ClusterSpec.local(2, 4)
+    print(f"\npipelined on {cluster.name}: 2 stages (1x4 sub-meshes), 4 micro-batches; baselines: the single-mesh plan "
+          f"on the same 8 devices and jax.jit on one device; medians of {steps} steps")
+    print(f"{'model':<12} {'schedule':<11} {'plan s':>7} {'compile s':>9} | {'step ms':>8} {'1 mesh':>8} {'jit':>8} | "
+          f"{'vs 1 mesh':>9} {'vs jit':>7}")
+    for name in models:
+        config_cls, make = EXAMPLES[name]
+        ex = make(config_cls())
+        flat = al.parallelize(ex.train_step, cluster=cluster, mesh_shape=(2, 4))
+        flat.plan(*ex.args)
+        _, flat_s = timed_steps(flat, ex.state, ex.batch, steps)
+        _, jit_s = timed_steps(jax.jit(ex.train_step), ex.state, ex.batch, steps)
+        step = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4)
+        t0 = time.perf_counter()
+        base = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]])
+        plan_s = time.perf_counter() - t0
+        for schedule in ("gpipe", "1f1b", "eager_1f1b"):
+            step.use(base.with_schedule(schedule))
+            first, step_s = timed_steps(step, ex.state, ex.batch, steps)
+            print(f"{name:<12} {schedule:<11} {plan_s:>7.2f} {first:>9.2f} | {step_s * 1e3:>8.2f} {flat_s * 1e3:>8.2f} "
+                  f"{jit_s * 1e3:>8.2f} | {step_s / flat_s:>9.2f} {step_s / jit_s:>7.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -162,6 +163,36 @@ def _mark_loss(out: Any, has_aux: bool) -> Any:
     return mark([out], "boundary", LOSS)[0]
 
 
+def _unit_starts(graph: Any, num_layers: int) -> list[int]:
+    """Where the units the layering DP clusters begin (op indices, first is 0).
+
+    A model built of repeated modules (``Block_0`` ... ``Block_23``) is cut only between
+    runs of ops of one module, so layers hold whole blocks and repeated layers are equal
+    (and share one intra-op solve). Otherwise, and for programs too large for the O(K^2)
+    DP, units are runs of consecutive ops of equal count.
+    """
+    K = len(graph.ops)
+    families: dict[tuple[int, str], set[str]] = {}
+    parts = [op.label.split("/") for op in graph.ops]
+    for comps in parts:
+        for depth, c in enumerate(comps):
+            m = re.fullmatch(r"(.+)_(\d+)", c)
+            if m:
+                families.setdefault((depth, m.group(1)), set()).add(m.group(2))
+    if families:
+        (depth, name), members = max(families.items(), key=lambda kv: (len(kv[1]), -kv[0][0]))
+        if len(members) >= 2:
+            keys = []
+            for comps in parts:
+                c = comps[depth] if len(comps) > depth else ""
+                keys.append(c if re.fullmatch(rf"{re.escape(name)}_\d+", c) else "/".join(comps[: depth + 1]))
+            starts = [0] + [i for i in range(1, K) if keys[i] != keys[i - 1]]
+            if num_layers <= len(starts) <= _MAX_UNITS:
+                return starts
+    size = -(-K // _MAX_UNITS)
+    return list(range(0, K, size))
+
+
 def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Callable:
     """``fun`` re-run op by op with boundary markers between its ``num_layers`` layers.
 
@@ -177,22 +208,20 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     K = len(graph.ops)
     if num_layers < 2 or K < num_layers:
         return fun
-    # the DP is O(L K^2) in time and O(K^2) in memory: past _MAX_UNITS ops, cluster runs
-    # of consecutive ops (units) instead; boundaries then fall between units
-    size = -(-K // _MAX_UNITS)
-    units = -(-K // size)
-    flops = np.zeros(units)
+    starts = _unit_starts(graph, num_layers)
+    unit_of = np.searchsorted(np.asarray(starts), np.arange(K), side="right") - 1
+    flops = np.zeros(len(starts))
     for op in graph.ops:
-        flops[op.index // size] += op.flops
+        flops[unit_of[op.index]] += op.flops
     edges = [
-        (graph.vars[v].producer // size, op.index // size, float(graph.vars[v].nbytes))
+        (int(unit_of[graph.vars[v].producer]), int(unit_of[op.index]), float(graph.vars[v].nbytes))
         for op in graph.ops
         for v in op.inputs
-        if graph.vars[v].producer is not None and graph.vars[v].producer // size != op.index // size
+        if graph.vars[v].producer is not None and unit_of[graph.vars[v].producer] != unit_of[op.index]
     ]
-    if units < num_layers:
+    if len(starts) < num_layers:
         return fun
-    bounds = [min(b * size, K) for b in cluster_layers(flops, edges, num_layers).boundaries]
+    bounds = [(starts + [K])[b] for b in cluster_layers(flops, edges, num_layers).boundaries]
     last_use = {}
     for op in graph.ops:
         for v in op.inputs:

@@ -20,6 +20,14 @@ stops once B * t_max >= best T (any plan whose slowest stage is t_max costs at l
 B * t_max, since sum_i t_i >= t_max). Sub-mesh sizes summing to N*M suffice for a tiling
 (Appendix A), which :func:`place_submeshes` then builds to give real device ids.
 
+Memory (eq. 5, Alpa's ``max_n_succ_stages``): under a pipeline schedule the stage at
+position s -- s stages from itself to the last one inclusive, s = 1 for the last stage --
+holds ``in_flight(s)`` micro-batches of activations (1F1B: min(s, B); GPipe: B; eager
+1F1B: min(2s - 1, B)). An option (layer range, sub-mesh, logical mesh) whose
+``StageCost.max_in_flight`` is below ``in_flight(s)`` may not be used at position s. In F
+above, the first stage of F(s, k, d) is at position s, so each s uses its own table of
+eligible times; the stage-count-free fast path is only used when no limit binds.
+
 Pure functions over a ``stage_cost`` callable; no JAX.
 """
 
@@ -56,13 +64,21 @@ class InterOpError(ValueError):
 
 @dataclass(frozen=True)
 class StageCost:
-    """Cost of one stage on one (sub-mesh, logical mesh): per-micro-batch t_intra and memory."""
+    """Cost of one stage on one (sub-mesh, logical mesh): per-micro-batch t_intra and memory.
+
+    ``max_in_flight`` is the most micro-batches of activations the stage can hold in device
+    memory at once (None: no limit; 0: it does not fit at all, treated as infeasible). With
+    ``stage_dp(..., in_flight=...)`` the option is only used at positions s with
+    ``in_flight(s) <= max_in_flight``.
+    """
 
     time: float
     memory: float = 0.0
+    max_in_flight: int | None = None
 
 
 StageCostFn = Callable[[int, int, Shape, Shape], "StageCost | None"]
+InFlightFn = Callable[[int], int]
 
 
 @dataclass(frozen=True)
@@ -141,6 +157,20 @@ def _validate(
     return L, N, M, B, cap
 
 
+def _in_flight_needs(in_flight: object, S: int) -> list[int] | None:
+    """[0, in_flight(1), ..., in_flight(S)] (index = position s), or None without in_flight."""
+    if in_flight is None:
+        return None
+    if not callable(in_flight):
+        raise InterOpError(f"in_flight must be callable or None, got {in_flight!r}")
+    return [0] + [_check_int(f"in_flight({s})", in_flight(s)) for s in range(1, S + 1)]
+
+
+def _fits(max_in_flight: int | None, need: int | None) -> bool:
+    """Whether an option holding at most ``max_in_flight`` micro-batches may hold ``need``."""
+    return max_in_flight is None or need is None or max_in_flight >= need
+
+
 def _checked_cost(
     stage_cost: StageCostFn, start: int, end: int, shape: Shape, logical: Shape
 ) -> StageCost | None:
@@ -158,37 +188,76 @@ def _checked_cost(
             f"stage_cost({start}, {end}, {shape}, {logical}) returned time {cost.time}; "
             "it must be finite and >= 0 (return None for an infeasible stage)"
         )
+    limit = cost.max_in_flight
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0
+    ):
+        raise InterOpError(
+            f"stage_cost({start}, {end}, {shape}, {logical}) returned max_in_flight {limit!r}; "
+            "it must be None (no limit) or an int >= 0"
+        )
     return cost
 
 
 @dataclass(frozen=True)
 class _Option:
-    """Best logical mesh for one (layer range, sub-mesh): the min-time feasible one."""
+    """One feasible logical mesh of a (layer range, sub-mesh)."""
 
     time: float
     logical_shape: Shape
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Every feasible logical mesh of one (layer range, sub-mesh), fastest first (ties in
+    logical-shape order). ``time`` is the fastest one's."""
+
+    options: tuple[_Option, ...]
+
+    @property
+    def time(self) -> float:
+        return self.options[0].time
+
+    def best(self, need: int | None) -> _Option | None:
+        """The fastest option that may hold ``need`` micro-batches (None: no limit)."""
+        for opt in self.options:
+            if _fits(opt.max_in_flight, need):
+                return opt
+        return None
 
 
 def _profile(
-    stage_cost: StageCostFn, L: int, shapes: list[Shape]
-) -> dict[tuple[int, int, Shape], _Option]:
-    """Ask stage_cost once per (range, sub-mesh, logical shape); keep the fastest logical mesh.
+    stage_cost: StageCostFn, L: int, shapes: list[Shape], stats: dict[str, int] | None = None
+) -> dict[tuple[int, int, Shape], _Options]:
+    """Ask stage_cost once per (range, sub-mesh, logical shape); keep every feasible one.
 
-    Taking the min over logical shapes is exact: a faster stage only lowers both
-    sum_i t_i and max_j t_j in eq. 2.
+    Without memory limits only the fastest logical mesh matters (a faster stage only lowers
+    both sum_i t_i and max_j t_j in eq. 2); with them the fastest may be ineligible at some
+    positions, so all are kept, fastest first. Options with ``max_in_flight == 0`` cannot
+    hold one micro-batch and are dropped (counted in ``stats["no_memory"]``).
     """
-    table: dict[tuple[int, int, Shape], _Option] = {}
+    table: dict[tuple[int, int, Shape], _Options] = {}
     logicals_of = [(shape, logical_shapes(shape)) for shape in shapes]
+    no_memory = 0
     for start in range(L):
         for end in range(start + 1, L + 1):
             for shape, logicals in logicals_of:
-                best_time, best_logical = math.inf, None
+                found: list[_Option] = []
                 for logical in logicals:
                     cost = _checked_cost(stage_cost, start, end, shape, logical)
-                    if cost is not None and (best_logical is None or cost.time < best_time):
-                        best_time, best_logical = cost.time, logical
-                if best_logical is not None:
-                    table[(start, end, shape)] = _Option(float(best_time), best_logical)
+                    if cost is None:
+                        continue
+                    limit = None if cost.max_in_flight is None else int(cost.max_in_flight)
+                    if limit == 0:
+                        no_memory += 1
+                        continue
+                    found.append(_Option(float(cost.time), logical, limit))
+                if found:
+                    found.sort(key=lambda o: o.time)  # stable: ties keep logical order
+                    table[(start, end, shape)] = _Options(tuple(found))
+    if stats is not None:
+        stats["no_memory"] = stats.get("no_memory", 0) + no_memory
     return table
 
 
@@ -196,28 +265,42 @@ class _Dense:
     """The profiled table as dense arrays for the vectorised DP.
 
     ``times[k, end, j]`` is the fastest option for layers [k, end) on any sub-mesh of the
-    j-th distinct size ``sizes[j]`` (inf where none). Taking the min over sub-meshes of
-    equal size is exact: t + F is monotone in t, so min_i(t_i) + F == min_i(t_i + F) in
-    floating point too. ``shift[j, d]`` indexes d - sizes[j] into a row padded with one
-    trailing inf (index D + 1) where d < sizes[j].
+    j-th distinct size ``sizes[j]`` (inf where none); ``times_for(need)`` is the same over
+    the options that may hold ``need`` micro-batches (built lazily, cached per need).
+    Taking the min over sub-meshes of equal size is exact: t + F is monotone in t, so
+    min_i(t_i) + F == min_i(t_i + F) in floating point too. ``shift[j, d]`` indexes
+    d - sizes[j] into a row padded with one trailing inf (index D + 1) where d < sizes[j].
     """
 
-    def __init__(self, table: dict[tuple[int, int, Shape], _Option], L: int, D: int):
+    def __init__(self, table: dict[tuple[int, int, Shape], _Options], L: int, D: int):
         sizes = sorted({shape[0] * shape[1] for (_, _, shape) in table if shape[0] * shape[1] <= D})
-        index = {size: j for j, size in enumerate(sizes)}
-        times = np.full((L + 1, L + 1, len(sizes)), np.inf)
-        for (start, end, shape), opt in table.items():
-            j = index.get(shape[0] * shape[1])
-            if j is not None and opt.time < times[start, end, j]:
-                times[start, end, j] = opt.time
+        self.table = table
+        self.index = {size: j for j, size in enumerate(sizes)}
         d = np.arange(D + 1)
         shift = d[None, :] - np.asarray(sizes, dtype=np.int64)[:, None]
         shift[shift < 0] = D + 1
-        self.sizes, self.times, self.shift = sizes, times, shift
+        self.sizes, self.shift = sizes, shift
         self.L, self.D = L, D
+        self._times: dict[int | None, np.ndarray] = {}
+        self.times = self.times_for(None)
 
-    def allowed(self, t_max: float) -> np.ndarray:
-        return np.where(self.times <= t_max, self.times, np.inf)
+    def times_for(self, need: int | None) -> np.ndarray:
+        """Dense times over options eligible where ``need`` micro-batches are in flight."""
+        times = self._times.get(need)
+        if times is None:
+            L = self.L
+            times = np.full((L + 1, L + 1, len(self.sizes)), np.inf)
+            for (start, end, shape), opts in self.table.items():
+                j = self.index.get(shape[0] * shape[1])
+                opt = opts.best(need) if j is not None else None
+                if opt is not None and opt.time < times[start, end, j]:
+                    times[start, end, j] = opt.time
+            self._times[need] = times
+        return times
+
+    def allowed(self, t_max: float, need: int | None = None) -> np.ndarray:
+        times = self.times_for(need)
+        return np.where(times <= t_max, times, np.inf)
 
 
 def _shifted(row: np.ndarray, shift: np.ndarray) -> np.ndarray:
@@ -258,13 +341,21 @@ class _MinOverStages:
         return float(G[0, -1])
 
 
-def _solve_f(dense: _Dense, allowed: np.ndarray, S: int, stop_at: float | None = None) -> np.ndarray:
+def _solve_f(
+    dense: _Dense,
+    allowed: np.ndarray | list[np.ndarray | None],
+    S: int,
+    stop_at: float | None = None,
+) -> np.ndarray:
     """F[s, k, d] of eq. 3 for one t_max (numpy over k, end and d); inf where infeasible.
 
-    With ``stop_at``, stops after the first s with F[s, 0, D] == stop_at (the rest is left
-    inf; it is not needed to reconstruct that s).
+    ``allowed`` is one times table used at every position, or a list whose item [s] is the
+    table for the stage at position s (item 0 unused). With ``stop_at``, stops after the
+    first s with F[s, 0, D] == stop_at (the rest is left inf; it is not needed to
+    reconstruct that s).
     """
     L, D, sizes = dense.L, dense.D, dense.sizes
+    per_position = isinstance(allowed, list)
     F = np.full((S + 1, L + 1, D + 1), np.inf)
     F[0, L, 0] = 0.0
     for s in range(1, S + 1):
@@ -272,8 +363,9 @@ def _solve_f(dense: _Dense, allowed: np.ndarray, S: int, stop_at: float | None =
         kmax, emax = L - s + 1, L - s + 2
         prev = F[s - 1, :emax]
         row = F[s, :kmax]
+        table = allowed[s] if per_position else allowed
         for j, size in enumerate(sizes):
-            t = allowed[:kmax, :emax, j]
+            t = table[:kmax, :emax, j]
             if not np.isfinite(t).any():
                 continue
             cand = (t[:, :, None] + prev[None, :, : D + 1 - size]).min(axis=1)
@@ -285,23 +377,31 @@ def _solve_f(dense: _Dense, allowed: np.ndarray, S: int, stop_at: float | None =
 
 def _reconstruct(
     F: np.ndarray,
-    table: dict[tuple[int, int, Shape], _Option],
+    table: dict[tuple[int, int, Shape], _Options],
     L: int,
     D: int,
     s: int,
     t_max: float,
+    needs: list[int] | None = None,
 ) -> list[tuple[int, int, Shape, _Option]]:
-    """Walk F back from (s, 0, D): pick any choice attaining the stored minimum exactly."""
-    by_start: dict[int, list[tuple[int, Shape, _Option]]] = {}
-    for (start, end, shape), opt in table.items():
-        by_start.setdefault(start, []).append((end, shape, opt))
+    """Walk F back from (s, 0, D): pick any choice attaining the stored minimum exactly.
+
+    At position s the candidate of a (range, sub-mesh) is its fastest option eligible for
+    ``needs[s]`` micro-batches in flight (any option when ``needs`` is None): exactly the
+    time the dense table for that position holds.
+    """
+    by_start: dict[int, list[tuple[int, Shape, _Options]]] = {}
+    for (start, end, shape), opts in table.items():
+        by_start.setdefault(start, []).append((end, shape, opts))
     stages: list[tuple[int, int, Shape, _Option]] = []
     k, d = 0, D
     while s > 0:
         target = F[s, k, d]
-        for end, shape, opt in by_start.get(k, ()):
+        need = None if needs is None else needs[s]
+        for end, shape, opts in by_start.get(k, ()):
             size = shape[0] * shape[1]
-            if opt.time > t_max or size > d:
+            opt = opts.best(need)
+            if opt is None or opt.time > t_max or size > d:
                 continue
             if opt.time + F[s - 1, end, d - size] == target:
                 stages.append((k, end, shape, opt))
@@ -325,76 +425,65 @@ def stage_dp(
     num_microbatches: int,
     stage_cost: StageCostFn,
     max_stages: int | None = None,
+    in_flight: InFlightFn | None = None,
 ) -> InterOpPlan:
-    """Alpa's stage-construction DP (eq. 2-4): optimal slicing, sub-meshes and logical meshes.
+    """Alpa's stage-construction DP (eq. 2-5): optimal slicing, sub-meshes and logical meshes.
 
     ``stage_cost(start, end, submesh_shape, logical_shape)`` is called exactly once per
-    distinct argument tuple. Raises :class:`InterOpError` on bad arguments or when no
-    slicing fits the cluster.
+    distinct argument tuple. With ``in_flight`` (position s -> micro-batches in flight at
+    the stage s stages from the end, s = 1 for the last; called once per s), an option is
+    only used at position s when ``max_in_flight is None or max_in_flight >= in_flight(s)``;
+    without it, ``max_in_flight`` only rules out options with 0. Raises
+    :class:`InterOpError` on bad arguments or when no slicing fits the cluster (or memory).
     """
     L, N, M, B, S = _validate(
         num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, max_stages
     )
+    needs = _in_flight_needs(in_flight, S)
     D = N * M
     shapes = submesh_shapes(N, M)
-    table = _profile(stage_cost, L, shapes)
+    stats: dict[str, int] = {}
+    table = _profile(stage_cost, L, shapes, stats)
     if not table:
+        if stats.get("no_memory"):
+            raise InterOpError(
+                f"no slicing of {L} layers fits {N}x{M} devices: no (layer range, sub-mesh, "
+                "logical shape) fits in device memory even with one micro-batch in flight "
+                "(max_in_flight = 0 or infeasible everywhere); use more devices"
+            )
         raise InterOpError(
             f"no slicing of {L} layers fits {N}x{M} devices: stage_cost is infeasible for "
             "every (layer range, sub-mesh, logical shape)"
         )
 
     dense = _Dense(table, L, D)
-    uncapped = S >= min(L, D)
-    best_value, best_tmax, best_s, best_F = math.inf, math.nan, 0, None
-    if dense.sizes:
-        # lower bound on sum_i t_i for any t_max: the DP with every option allowed
-        every = dense.allowed(math.inf)
-        if uncapped:
-            floor = _MinOverStages(dense).solve(every, L - 1)
-        else:
-            floor = float(_solve_f(dense, every, S)[1:, 0, D].min())
-        starts_at: dict[float, int] = {}
-        for (start, _, _), opt in table.items():
-            if starts_at.get(opt.time, -1) < start:
-                starts_at[opt.time] = start
-        solver = _MinOverStages(dense) if uncapped else None
-        top = -1  # rows 0..top of the incremental solver are out of date
-        for t_max in sorted(starts_at):
-            top = max(top, starts_at[t_max])
-            if math.isinf(floor) or B * t_max >= best_value:  # early pruning (sec. 5.2)
-                break
-            # every plan with slowest stage <= t_max costs >= floor + (B - 1) * t_max
-            if floor + (B - 1) * t_max >= best_value:
-                break
-            allowed = dense.allowed(t_max)
-            if solver is not None:
-                total = solver.solve(allowed, top)
-                top = -1
-                value = total + (B - 1) * t_max
-                if value < best_value:
-                    best_value, best_tmax, best_F = value, t_max, total
-            else:
-                F = _solve_f(dense, allowed, S)
-                s = int(np.argmin(F[1:, 0, D])) + 1
-                value = float(F[s, 0, D]) + (B - 1) * t_max
-                if value < best_value:
-                    best_value, best_tmax, best_s, best_F = value, t_max, s, F
-        if uncapped and best_F is not None:
-            total = best_F
-            best_F = _solve_f(dense, dense.allowed(best_tmax), S, stop_at=total)
-            best_s = int(np.argmin(best_F[1:, 0, D])) + 1
-            assert best_F[best_s, 0, D] == total
+    # the limits bind when some (range, sub-mesh)'s fastest option cannot be used at every
+    # position: then the per-position tables differ and the stage count matters
+    binds = needs is not None and any(
+        not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values()
+    )
+    if binds:
+        assert needs is not None
+        best_value, best_tmax, best_s, best_F = _search_per_position(dense, table, B, S, needs)
+    else:
+        best_value, best_tmax, best_s, best_F = _search(dense, table, B, S)
+        needs = None  # every fastest option is eligible at every position
 
     if best_F is None:
         limit = f" with at most {max_stages} stages" if max_stages is not None else ""
+        if binds and dense.sizes and _search(dense, table, B, S)[3] is not None:
+            raise InterOpError(
+                f"no slicing of {L} layers fits {N}x{M} devices{limit}: no slicing fits in "
+                "device memory with this schedule's micro-batches in flight; use more "
+                "devices, more stages or fewer micro-batches in flight"
+            )
         raise InterOpError(
             f"no slicing of {L} layers fits {N}x{M} devices{limit}: {len(table)} feasible "
             f"(layer range, sub-mesh) options exist, but none combine into contiguous stages "
             f"covering all layers on exactly {D} devices"
         )
 
-    chosen = _reconstruct(best_F, table, L, D, best_s, best_tmax)
+    chosen = _reconstruct(best_F, table, L, D, best_s, best_tmax, needs)
     try:
         placements = place_submeshes([shape for _, _, shape, _ in chosen], N, M)
     except PlacementError as err:
@@ -412,6 +501,99 @@ def stage_dp(
     )
 
 
+_Search = tuple[float, float, int, "np.ndarray | None"]
+
+
+def _search(
+    dense: _Dense, table: dict[tuple[int, int, Shape], _Options], B: int, S: int
+) -> _Search:
+    """Eq. 4 without memory limits (each (range, sub-mesh) at its fastest logical mesh).
+
+    Returns (best T, its t_max, its stage count, its F table), F None when infeasible.
+    """
+    L, D = dense.L, dense.D
+    uncapped = S >= min(L, D)
+    best_value, best_tmax, best_s, best_F = math.inf, math.nan, 0, None
+    if not dense.sizes:
+        return best_value, best_tmax, best_s, best_F
+    # lower bound on sum_i t_i for any t_max: the DP with every option allowed
+    every = dense.allowed(math.inf)
+    if uncapped:
+        floor = _MinOverStages(dense).solve(every, L - 1)
+    else:
+        floor = float(_solve_f(dense, every, S)[1:, 0, D].min())
+    starts_at: dict[float, int] = {}
+    for (start, _, _), opts in table.items():
+        if starts_at.get(opts.time, -1) < start:
+            starts_at[opts.time] = start
+    solver = _MinOverStages(dense) if uncapped else None
+    top = -1  # rows 0..top of the incremental solver are out of date
+    for t_max in sorted(starts_at):
+        top = max(top, starts_at[t_max])
+        if math.isinf(floor) or B * t_max >= best_value:  # early pruning (sec. 5.2)
+            break
+        # every plan with slowest stage <= t_max costs >= floor + (B - 1) * t_max
+        if floor + (B - 1) * t_max >= best_value:
+            break
+        allowed = dense.allowed(t_max)
+        if solver is not None:
+            total = solver.solve(allowed, top)
+            top = -1
+            value = total + (B - 1) * t_max
+            if value < best_value:
+                best_value, best_tmax, best_F = value, t_max, total
+        else:
+            F = _solve_f(dense, allowed, S)
+            s = int(np.argmin(F[1:, 0, D])) + 1
+            value = float(F[s, 0, D]) + (B - 1) * t_max
+            if value < best_value:
+                best_value, best_tmax, best_s, best_F = value, t_max, s, F
+    if uncapped and best_F is not None:
+        total = best_F
+        best_F = _solve_f(dense, dense.allowed(best_tmax), S, stop_at=total)
+        best_s = int(np.argmin(best_F[1:, 0, D])) + 1
+        assert best_F[best_s, 0, D] == total
+    return best_value, best_tmax, best_s, best_F
+
+
+def _search_per_position(
+    dense: _Dense,
+    table: dict[tuple[int, int, Shape], _Options],
+    B: int,
+    S: int,
+    needs: list[int],
+) -> _Search:
+    """Eq. 4 with memory limits: position s uses the options eligible for needs[s].
+
+    Candidate t_max values are the times of every option (a slower logical mesh may be the
+    fastest eligible one somewhere); pruning as in :func:`_search`.
+    """
+    D = dense.D
+    best_value, best_tmax, best_s, best_F = math.inf, math.nan, 0, None
+    if not dense.sizes:
+        return best_value, best_tmax, best_s, best_F
+    distinct = sorted(set(needs[1:]))
+
+    def per_position(t_max: float) -> list[np.ndarray | None]:
+        by_need = {need: dense.allowed(t_max, need) for need in distinct}
+        return [None] + [by_need[needs[s]] for s in range(1, S + 1)]
+
+    # lower bound on sum_i t_i for any t_max: the DP with every eligible option allowed
+    floor = float(_solve_f(dense, per_position(math.inf), S)[1:, 0, D].min())
+    candidates = sorted({opt.time for opts in table.values() for opt in opts.options})
+    for t_max in candidates:
+        if math.isinf(floor) or B * t_max >= best_value:  # early pruning (sec. 5.2)
+            break
+        if floor + (B - 1) * t_max >= best_value:
+            break
+        F = _solve_f(dense, per_position(t_max), S)
+        s = int(np.argmin(F[1:, 0, D])) + 1
+        value = float(F[s, 0, D]) + (B - 1) * t_max
+        if value < best_value:
+            best_value, best_tmax, best_s, best_F = value, t_max, s, F
+    return best_value, best_tmax, best_s, best_F
+
+
 def _compositions(L: int, max_parts: int):
     """All slicings of layers 0..L-1 into contiguous [start, end) ranges (<= max_parts)."""
     for cuts_count in range(0, min(L, max_parts)):
@@ -427,16 +609,20 @@ def brute_force_stages(
     num_microbatches: int,
     stage_cost: StageCostFn,
     max_stages: int | None = None,
+    in_flight: InFlightFn | None = None,
 ) -> float:
     """Reference optimum of eq. 2 by exhaustive search (for tests).
 
     Enumerates every contiguous slicing, every sub-mesh assignment whose sizes sum to
-    N*M, and every logical shape per stage; returns the best T. Raises
-    :class:`InterOpError` when nothing is feasible or the search would be too large.
+    N*M, and every logical shape per stage; returns the best T. With ``in_flight``, stage
+    i of S is at position S - i and may only use an option whose ``max_in_flight`` is None
+    or >= in_flight(S - i); options with ``max_in_flight == 0`` are always infeasible.
+    Raises :class:`InterOpError` when nothing is feasible or the search would be too large.
     """
     L, N, M, B, S = _validate(
         num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, max_stages
     )
+    needs = _in_flight_needs(in_flight, S)
     D = N * M
     shapes = submesh_shapes(N, M)
     memo: dict[tuple[int, int, Shape, Shape], StageCost | None] = {}
@@ -462,9 +648,14 @@ def brute_force_stages(
                         f"{_MAX_BRUTE_FORCE_COMBINATIONS} combinations; use stage_dp"
                     )
                 times = []
-                for (start, end), shape, logical in zip(slicing, assignment, logicals):
+                num = len(slicing)
+                for i, ((start, end), shape, logical) in enumerate(
+                    zip(slicing, assignment, logicals)
+                ):
                     c = cost(start, end, shape, logical)
-                    if c is None:
+                    if c is None or c.max_in_flight == 0:
+                        break
+                    if needs is not None and not _fits(c.max_in_flight, needs[num - i]):
                         break
                     times.append(c.time)
                 else:

@@ -145,7 +145,7 @@ def build_strategy_graph(
     the host).
     """
     t0 = time.perf_counter()
-    strategy_cache: dict[tuple, tuple[Strategy, ...]] = {}
+    strategy_cache = _cache(_STRATEGIES, mesh)
     nodes: list[PlanningNode] = []
     node_of_var: dict[int, tuple[int, int]] = {}
     argument_kinds = dict(argument_kinds) if argument_kinds is not None else classify_arguments(graph)
@@ -218,6 +218,20 @@ def build_strategy_graph(
             if n.primitive == "pipeline_marker" and graph.ops[n.op_index].params.get("kind") == "gradient"
         ),
     )
+
+
+_STRATEGIES: dict[LogicalMesh, dict[tuple, tuple[Strategy, ...]]] = {}
+_RESHARDING_TABLES: dict[LogicalMesh, dict[tuple, np.ndarray]] = {}
+_CACHED_MESHES = 256
+
+
+def _cache(store: dict, mesh: LogicalMesh) -> dict:
+    """A per-mesh cache that outlives one build: the pipeline planner builds a strategy graph
+    per layer and mesh, and repeated layers share op keys (strategies) and tensor shapes
+    (resharding tables), so the second layer on a mesh costs little."""
+    if mesh not in store and len(store) >= _CACHED_MESHES:
+        store.clear()
+    return store.setdefault(mesh, {})
 
 
 def _storage_strategies(var: Var, mesh: LogicalMesh, per_step: bool) -> tuple[Strategy, ...]:
@@ -353,7 +367,7 @@ def _cost_graph(
         cost, mem = per_strategy[id(node.strategies)]
         costs[gi] += cost[member_map[n]]
         memory[gi] += mem[member_map[n]]
-    tables: dict[tuple, np.ndarray] = {}
+    tables = _cache(_RESHARDING_TABLES, mesh)
     edge_tables: dict[tuple, np.ndarray] = {}
     group_edges: dict[tuple[int, int], np.ndarray] = {}
     for e in edges:

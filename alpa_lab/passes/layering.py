@@ -6,7 +6,10 @@ later stage assignment has even building blocks) and should receive little
 data from earlier layers (so that stage boundaries, which fall on layer
 boundaries, are cheap to communicate across).  We solve this exactly:
 
-* constraint: every layer's FLOPs <= (1 + delta) * total_flops / L;
+* constraint: every layer's FLOPs <= (1 + delta) * total_flops / L, except a layer of a
+  single op (an op heavier than the budget, e.g. a language model's vocabulary
+  projection, cannot be split; without this exception one such op would force delta up
+  for every other layer);
 * objective:  minimise max_i C(layer_i), where C([j, k)) is the total bytes of
   edges (src, dst) with src < j <= dst < k, i.e. the data a layer receives
   from earlier layers;
@@ -205,7 +208,8 @@ def cluster_layers(
     nonempty = np.arange(k + 1)[:, None] < np.arange(k + 1)[None, :]
     total = float(prefix[-1])
     for d in _delta_schedule(delta, num_layers):
-        feasible = nonempty & (seg <= _budget(total, num_layers, d))
+        single = np.eye(k + 1, k=1, dtype=bool)  # [j, j + 1): one op, always allowed
+        feasible = nonempty & ((seg <= _budget(total, num_layers, d)) | single)
         best = _dp_min_max(table, feasible, num_layers)
         if math.isfinite(best):
             bounds = _dp_min_sum(table, feasible, num_layers, best)
@@ -251,7 +255,7 @@ def brute_force_layers(
         for inner in itertools.combinations(range(1, k), num_layers - 1):
             bounds = (0, *inner, k)
             pairs = list(zip(bounds[:-1], bounds[1:]))
-            if any(f[j:kk].sum() > budget for j, kk in pairs):
+            if any(kk - j > 1 and f[j:kk].sum() > budget for j, kk in pairs):
                 continue
             costs = [_direct_input_bytes(clean, j, kk) for j, kk in pairs]
             key = (max(costs), sum(costs))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
 from alpa_lab.graph.analysis import classify_arguments
-from alpa_lab.graph.opgraph import OpGraph
+from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, StageCost, logical_shapes, stage_dp
 from alpa_lab.passes.intra_op import _op_key, build_strategy_graph, solve_strategy_graph
@@ -69,8 +69,9 @@ class PipelineProblem:
     layer_costs: dict[tuple, LayerCost | None] = field(default_factory=dict)
     stage_plans: dict[tuple, Plan] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-
     reuse: bool = True
+    saved: frozenset[int] = frozenset()
+    """forward ops whose results the backward reads: what a micro-batch in flight keeps."""
 
     @classmethod
     def build(cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True) -> PipelineProblem:
@@ -81,9 +82,16 @@ class PipelineProblem:
         layer_keys = []
         for lay in range(slicing.num_layers):
             ops = slicing.ops_of([lay], (FORWARD, BACKWARD))
-            key = tuple((slicing.phase[i], _op_key(graph.ops[i], graph)) for i in ops) if reuse else (lay,)
+            key = tuple((slicing.phase[i], _layer_op_key(graph.ops[i], graph)) for i in ops) if reuse else (lay,)
             layer_keys.append(keys.setdefault(key, len(keys)))
-        problem = cls(graph, slicing, cluster, classify_arguments(graph), tuple(layer_keys), reuse=reuse)
+        consumers = graph.consumers()
+        saved = frozenset(
+            op.index
+            for op in graph.ops
+            if slicing.phase[op.index] == FORWARD
+            and any(slicing.phase[c] == BACKWARD for v in op.outputs for c in consumers[v])
+        )
+        problem = cls(graph, slicing, cluster, classify_arguments(graph), tuple(layer_keys), reuse=reuse, saved=saved)
         problem.seconds["slicing"] = time.perf_counter() - t0
         return problem
 
@@ -133,6 +141,7 @@ class PipelineProblem:
             op_total += cost
             if self.slicing.phase[ops[node.op_index]] == FORWARD:
                 forward += cost
+            if ops[node.op_index] in self.saved:
                 activations += s.memory_cost
         forward += sol.objective - op_total  # loads and reshardings: charged to the forward
         return LayerCost(forward, sol.objective - forward, weights * self._state_factor(), activations)
@@ -156,6 +165,13 @@ class PipelineProblem:
             sum(c.weight_memory for c in costs),
             sum(c.activation_memory for c in costs),
         )
+
+
+def _layer_op_key(op: Op, graph: OpGraph) -> tuple:
+    """``_op_key`` without the boundary's name: layer 3 and layer 5 of a stack are the same layer."""
+    if op.primitive == "pipeline_marker":
+        return ("pipeline_marker", op.params["kind"], tuple(graph.vars[v].shape for v in op.inputs))
+    return _op_key(op, graph)
 
 
 def _plan_stage(
@@ -186,7 +202,9 @@ def _plan_stage(
 
 def _stage_figures(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> tuple[float, float, float, float, float]:
     """Forward, backward and update seconds; weight and activation bytes, from a stage plan."""
-    phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in problem.slicing.ops_of(range(*layers))}
+    stage_ops = problem.slicing.ops_of(range(*layers))
+    phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in stage_ops}
+    saved = {problem.graph.ops[i].name for i in stage_ops if i in problem.saved}
     by_phase = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     weights = activations = 0.0
     kinds_by_name = {problem.graph.vars[v].name: k for v, k in problem.argument_kinds.items()}
@@ -195,9 +213,8 @@ def _stage_figures(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]
             if kinds_by_name.get(o.name) in ("param", "optimizer_state"):
                 weights += o.memory_cost
             continue
-        p = phase.get(o.name, FORWARD)
-        by_phase[p] += o.compute_cost + o.communication_cost
-        if p == FORWARD:
+        by_phase[phase.get(o.name, FORWARD)] += o.compute_cost + o.communication_cost
+        if o.name in saved:
             activations += o.memory_cost
     rest = plan.objective - sum(by_phase.values())
     return by_phase[FORWARD] + rest, by_phase[BACKWARD], by_phase[APPLY], weights, activations

@@ -204,22 +204,27 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     sums: dict[int, Any] = {}
     step_values: dict[int, Any] = {}  # once-per-step tensors: averages and update results
 
+    def put(x: Any, sharding: NamedSharding) -> Any:
+        # an array already laid out as wanted (this stage's own tensors, weights from the last
+        # step) needs no transfer; skipping device_put saves its dispatch
+        return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
+
     def fetch(v: int, mb: int, stage: int, sharding: NamedSharding) -> Any:
         var = graph.vars[v]
         if var.kind == "input":
             if v in micro:
                 key = (v, mb, stage)
                 if key not in placed:
-                    placed[key] = jax.device_put(micro[v][mb], sharding)
+                    placed[key] = put(micro[v][mb], sharding)
                 return placed[key]
             key = (v, -1, stage)
             if key not in placed:
-                placed[key] = jax.device_put(args[v], sharding)
+                placed[key] = put(args[v], sharding)
             return placed[key]
         value = step_values[v] if mb < 0 else store[(v, mb)]
         key = (v, mb, stage)
         if key not in placed:
-            placed[key] = jax.device_put(value, sharding)  # SEND/RECV (a no-op on the same mesh)
+            placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
         return placed[key]
 
     pending = {st.index: list(cp.schedule.runs(st.index)) for st in cp.stages}
@@ -231,6 +236,12 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     needs = {
         key: {producer_task[v] for v in t.invars if v in producer_task} for key, t in cp.tasks.items()
     }
+    readers: dict[int, int] = defaultdict(int)  # tasks that read each per-micro-batch tensor
+    for t in cp.tasks.values():
+        for v in t.invars:
+            if v in producer_task:
+                readers[v] += 1
+    left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     stage_seconds = defaultdict(float)
     progress = True
     while progress:
@@ -247,8 +258,16 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
                 stage_seconds[(s, phase)] += time.perf_counter() - t
                 for v, x in zip(task.outvars, outs):
                     store[(v, mb)] = x
+                    left[(v, mb)] = readers[v]
                     if v in accumulated:
                         sums[v] = x if v not in sums else sums[v] + x
+                for v in task.invars:
+                    if (v, mb) in left:
+                        left[(v, mb)] -= 1
+                        if left[(v, mb)] == 0 and v not in accumulated:
+                            del store[(v, mb)]
+                            for st in cp.stages:
+                                placed.pop((v, mb, st.index), None)
                 done.add((s, phase, mb))
                 queue.pop(0)
                 progress = True
