@@ -20,7 +20,7 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import _path_str, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, solve_method
-from alpa_lab.passes.pipeline import plan_pipeline
+from alpa_lab.passes.pipeline import in_flight_rule, plan_pipeline
 from alpa_lab.passes.schedule import SCHEDULES, make_schedule
 from alpa_lab.plan import PipelinePlan, Plan, make_plan
 from alpa_lab.runtime.apply import CompiledPlan, compile_plan
@@ -89,6 +89,8 @@ class ParallelizedStep:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(sorted(SCHEDULES))}")
+        if microbatches is not None:
+            in_flight_rule(schedule, microbatches)  # a schedule the planner can plan, or a clear error
         if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
             raise ValueError(f"layers must be a positive integer, got {layers!r}")
         if microbatches is not None and (mesh_shape is not None or memory_budget is not None):

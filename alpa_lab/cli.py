@@ -66,7 +66,8 @@ def demo(args: argparse.Namespace) -> int:
             if name == "wide_resnet":
                 print("   (BatchNorm statistics are per micro-batch, so the pipelined step is not the full-batch step)")
             times = step.compiled(state, ex.batch).last_timings["dispatch_seconds"]
-            print("   last step, host seconds per unit task: " + ", ".join(f"stage {s} {p} {t * 1e3:.1f} ms" for (s, p), t in times.items()))
+            per_task = ", ".join(f"stage {s} {p} {t * 1e3:.1f} ms" for (s, p), t in times.items())
+            print("   last step, host seconds per unit task: " + per_task)
         else:
             print("  ", str(plan.compare_collectives(step.compiled_hlo(state, ex.batch))).replace("\n", "\n   "))
     return 0

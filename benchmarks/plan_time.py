@@ -188,7 +188,9 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     with auto_layers(num_layers):
         graph = trace(ex.train_step, *micro)
     t_trace = time.perf_counter() - t0
-    problem, stages, timeline = plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b")
+    problem, stages, timeline = plan_pipeline(
+        graph, cluster, num_microbatches=M, schedule="1f1b", logical_meshes=args.logical_meshes
+    )
     total = time.perf_counter() - t0
     s = problem.seconds
     step = timeline.makespan + max(st.apply_time for st in stages)
@@ -220,7 +222,7 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     if args.no_reuse_up_to and devices <= args.no_reuse_up_to:
         t2 = time.perf_counter()
         fresh = PipelineProblem.build(graph, cluster, reuse=False)
-        plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b", problem=fresh)
+        plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b", problem=fresh, logical_meshes=args.logical_meshes)
         print(f"    without repeated-layer reuse: planned in {time.perf_counter() - t2:.2f}s (vs {total - t_trace:.2f}s after tracing)")
 
 
@@ -233,6 +235,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=None, help="override every row's micro-batch count")
     parser.add_argument("--dtype", default="float16", help="GPT parameter and compute dtype (the paper trains in fp16)")
     parser.add_argument("--no-reuse-up-to", type=int, default=4, help="also plan without reuse for rows up to this many devices")
+    parser.add_argument("--logical-meshes", default="single_node_model_parallel", choices=("all", "single_node_model_parallel"))
     args = parser.parse_args()
     rows = args.rows.split(",")
     print("Two-level planning on p3.16xlarge hosts (V100 16 GB, NVLink inside a host, 25 Gb/s across), 1F1B")

@@ -27,3 +27,13 @@ def test_demo_bad_cluster_is_a_clear_error():
     assert "bad --cluster 'local:two'" in out.stderr and "local:HOSTSxDEVICES" in out.stderr
     out = run_cli("demo", "--cluster", "local:4x4")
     assert out.returncode != 0 and "ALPA_LAB_CPU_DEVICES=16" in out.stderr
+
+
+def test_demo_pipelined():
+    out = run_cli("demo", "--model", "mlp", "--steps", "2", "--cluster", "local:2x4", "--microbatches", "4", "--layers", "3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "pipelined: 4 micro-batches, 1f1b" in text and "Pipeline plan (alpa)" in text
+    diff = float(text.split("max |sharded - unsharded| over the state after 2 steps: ")[1].split()[0])
+    assert diff < 1e-4
+    assert "host seconds per unit task: stage 0 forward" in text

@@ -279,3 +279,222 @@ def test_min_over_stages_matches_full_table():
                 stage_dp(L, N, M, B, cost, max_stages=S + 1)
             continue
         assert a == stage_dp(L, N, M, B, cost, max_stages=S + 1)
+
+
+# --------------------------------------------------------------------------- #
+# memory-aware DP (eq. 5): max_in_flight limits against in_flight(position)
+# --------------------------------------------------------------------------- #
+
+
+def one_f_one_b(B):
+    return lambda s: min(s, B)
+
+
+def gpipe(B):
+    return lambda s: B
+
+
+def eager_one_f_one_b(B):
+    return lambda s: min(2 * s - 1, B)
+
+
+def with_limits(rng: random.Random, base, B: int):
+    """base's costs with a random max_in_flight per argument tuple (None, 0, or 1..B+1)."""
+    limits: dict = {}
+
+    def cost(start, end, shape, logical):
+        c = base(start, end, shape, logical)
+        if c is None:
+            return None
+        key = (start, end, shape, logical)
+        if key not in limits:
+            limits[key] = None if rng.random() < 0.25 else rng.randint(0, B + 1)
+        return StageCost(c.time, c.memory, limits[key])
+
+    return cost
+
+
+def without_limits(cost):
+    """cost with max_in_flight dropped (0, which never fits, becomes infeasible)."""
+
+    def stripped(*args):
+        c = cost(*args)
+        if c is None or c.max_in_flight == 0:
+            return None
+        return StageCost(c.time, c.memory)
+
+    return stripped
+
+
+def check_positions(plan: InterOpPlan, cost, in_flight) -> None:
+    """Each stage's (range, sub-mesh, logical mesh) holds its position's micro-batches."""
+    S = len(plan.stages)
+    for i, st in enumerate(plan.stages):
+        c = cost(*st.layers, st.submesh_shape, st.logical_shape)
+        assert c is not None and c.time == st.time
+        assert c.max_in_flight != 0
+        if in_flight is not None and c.max_in_flight is not None:
+            assert c.max_in_flight >= in_flight(S - i), (i, S, c)
+
+
+def test_memory_aware_dp_matches_brute_force():
+    rng = random.Random(5_2022)
+    outcomes: Counter = Counter()
+    for trial in range(160):
+        L = rng.randint(1, 5)
+        N, M = rng.choice(CLUSTERS)
+        B = rng.randint(1, 6)
+        if trial % 2 == 0:
+            base = random_cost(rng, p_none=rng.choice([0.0, 0.2, 0.5]))
+        else:
+            base = structured_cost(rng, L, mem_cap=rng.choice([None, 8.0]))
+        cost = with_limits(rng, base, B)
+        max_stages = rng.choice([None, None, None, 2, 3])
+        for rule in (one_f_one_b(B), gpipe(B), eager_one_f_one_b(B)):
+            calls: Counter = Counter()
+
+            def counted(*args, calls=calls):
+                calls[args] += 1
+                return cost(*args)
+
+            try:
+                plan = stage_dp(L, N, M, B, counted, max_stages=max_stages, in_flight=rule)
+            except InterOpError as err:
+                plan, msg = None, str(err)
+            try:
+                ref = brute_force_stages(L, N, M, B, cost, max_stages=max_stages, in_flight=rule)
+            except InterOpError:
+                ref = None
+            assert all(v == 1 for v in calls.values()), "stage_cost called twice for one tuple"
+            assert (plan is None) == (ref is None), (trial, L, N, M, B)
+            if plan is None:
+                outcomes["memory message" if "device memory" in msg else "infeasible"] += 1
+                continue
+            outcomes["feasible"] += 1
+            assert plan.total_time == pytest.approx(ref, rel=1e-9), (trial, L, N, M, B)
+            check_plan(plan, L, N, M, B)
+            check_positions(plan, cost, rule)
+            if max_stages is not None:
+                assert len(plan.stages) <= max_stages
+            outcomes["multi-stage"] += len(plan.stages) > 1
+            # the limits actually changed the answer somewhere
+            try:
+                free = brute_force_stages(L, N, M, B, without_limits(cost), max_stages=max_stages)
+            except InterOpError:
+                free = None
+            if free is not None and ref > free * (1 + 1e-9):
+                outcomes["limits bind"] += 1
+    assert outcomes["feasible"] >= 150 and outcomes["multi-stage"] >= 40, outcomes
+    assert outcomes["limits bind"] >= 30 and outcomes["memory message"] >= 5, outcomes
+
+
+def test_in_flight_none_ignores_limits_except_zero():
+    """in_flight=None: the plans of the existing random instances are unchanged, with or
+    without max_in_flight (0 excepted, which never fits), and non-binding limits with an
+    in_flight rule give the very same plans (fast path)."""
+    rng = random.Random(20220711)
+    for trial in range(200):
+        L = rng.randint(1, 5)
+        N, M = rng.choice(CLUSTERS)
+        B = rng.randint(1, 8)
+        if trial % 2 == 0:
+            base = random_cost(rng, p_none=rng.choice([0.0, 0.2, 0.6, 0.95]))
+        else:
+            base = structured_cost(rng, L, mem_cap=rng.choice([None, 3.0, 8.0]))
+        max_stages = rng.choice([None, None, None, 1, 2])
+        limited = with_limits(random.Random(trial), base, B)
+        roomy = lambda *a, base=base, B=B: (  # noqa: E731
+            None if (c := base(*a)) is None else StageCost(c.time, c.memory, max_in_flight=B)
+        )
+        plans = []
+        for cost, in_flight in (
+            (base, None),
+            (without_limits(limited), None),
+            (limited, None),
+            (base, one_f_one_b(B)),
+            (roomy, gpipe(B)),
+        ):
+            try:
+                plans.append(stage_dp(L, N, M, B, cost, max_stages=max_stages, in_flight=in_flight))
+            except InterOpError:
+                plans.append(None)
+        assert plans[0] == plans[3] == plans[4], trial
+        assert plans[1] == plans[2], trial
+
+
+def _memory_case(start, end, shape, logical):
+    """2 layers on 1x2 devices. One layer per device is fastest but holds 1 micro-batch;
+    both layers on both devices: logical (1, 2) is faster but holds 1, (2, 1) holds any."""
+    if shape == (1, 1):
+        return StageCost(1.0, max_in_flight=1) if end - start == 1 else None
+    if end - start < 2:
+        return None
+    if logical == (1, 2):
+        return StageCost(1.5, max_in_flight=1)
+    return StageCost(1.8, max_in_flight=None)
+
+
+def test_memory_limits_change_slicing_and_logical_shape():
+    B = 4
+    free = stage_dp(2, 1, 2, B, _memory_case)
+    # unconstrained: two 1-device stages, 2 + 3 * 1 = 5 (the first holds 2 under 1F1B)
+    assert [(st.layers, st.submesh_shape) for st in free.stages] == [((0, 1), (1, 1)), ((1, 2), (1, 1))]
+    assert free.total_time == pytest.approx(5.0)
+    with pytest.raises(AssertionError):
+        check_positions(free, _memory_case, one_f_one_b(B))
+
+    # 1F1B: a lone stage is at position 1 (1 in flight): the fast (1, 2) view fits
+    plan = stage_dp(2, 1, 2, B, _memory_case, in_flight=one_f_one_b(B))
+    assert [(st.layers, st.submesh_shape, st.logical_shape) for st in plan.stages] == [
+        ((0, 2), (1, 2), (1, 2))
+    ]
+    assert plan.total_time == pytest.approx(4 * 1.5)
+    check_positions(plan, _memory_case, one_f_one_b(B))
+
+    # GPipe: all B in flight everywhere: only the slower (2, 1) view fits
+    plan = stage_dp(2, 1, 2, B, _memory_case, in_flight=gpipe(B))
+    assert [(st.logical_shape, st.time) for st in plan.stages] == [((2, 1), 1.8)]
+    assert plan.total_time == pytest.approx(4 * 1.8)
+    for rule, want in ((one_f_one_b(B), 6.0), (gpipe(B), 7.2), (None, 5.0)):
+        assert brute_force_stages(2, 1, 2, B, _memory_case, in_flight=rule) == pytest.approx(want)
+
+    # B = 1: one micro-batch in flight anywhere, so the fast (1, 2) view fits again
+    for rule in (one_f_one_b(1), gpipe(1)):
+        plan = stage_dp(2, 1, 2, 1, _memory_case, in_flight=rule)
+        assert [st.logical_shape for st in plan.stages] == [(1, 2)]
+        assert plan.total_time == pytest.approx(1.5)
+
+
+def test_memory_infeasible_messages():
+    # nothing holds 4 micro-batches: with GPipe(B=4) no slicing fits, memory is the reason
+    small = lambda s, e, shape, lg: StageCost(1.0, max_in_flight=2)  # noqa: E731
+    with pytest.raises(InterOpError, match="fits in device memory.*fewer micro-batches"):
+        stage_dp(2, 1, 2, 4, small, in_flight=gpipe(4))
+    with pytest.raises(InterOpError, match="no slicing"):
+        brute_force_stages(2, 1, 2, 4, small, in_flight=gpipe(4))
+    # 1F1B(4): two stages would put 2 in flight on the first, a lone stage holds 1: 4 * 1
+    plan = stage_dp(2, 1, 2, 4, small, in_flight=one_f_one_b(4))
+    assert plan.num_stages == 1 and plan.total_time == pytest.approx(4.0)
+    # max_in_flight = 0 never fits, with or without in_flight
+    zero = lambda s, e, shape, lg: StageCost(1.0, max_in_flight=0)  # noqa: E731
+    for rule in (None, one_f_one_b(2)):
+        with pytest.raises(InterOpError, match="device memory"):
+            stage_dp(2, 1, 2, 2, zero, in_flight=rule)
+        with pytest.raises(InterOpError, match="no slicing"):
+            brute_force_stages(2, 1, 2, 2, zero, in_flight=rule)
+    # not a memory problem: the old message stands
+    only_one = lambda s, e, shape, lg: StageCost(1.0) if shape == (1, 1) else None  # noqa: E731
+    with pytest.raises(InterOpError, match="exactly 8 devices"):
+        stage_dp(4, 2, 4, 2, only_one, in_flight=gpipe(2))
+
+
+def test_bad_in_flight_and_limits():
+    with pytest.raises(InterOpError, match="in_flight must be callable"):
+        stage_dp(2, 1, 2, 2, _compute_heavy, in_flight=3)  # type: ignore[arg-type]
+    with pytest.raises(InterOpError, match=r"in_flight\(1\) must be >= 1"):
+        stage_dp(2, 1, 2, 2, _compute_heavy, in_flight=lambda s: s - 1)
+    with pytest.raises(InterOpError, match=r"in_flight\(2\) must be an int"):
+        brute_force_stages(2, 1, 2, 2, _compute_heavy, in_flight=lambda s: 1 if s == 1 else 2.0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InterOpError, match="max_in_flight"):
+            stage_dp(2, 1, 2, 2, lambda *a, bad=bad: StageCost(1.0, max_in_flight=bad))

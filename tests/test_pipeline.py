@@ -310,3 +310,25 @@ def test_bad_pipeline_options(kw, match):
     with pytest.raises(ValueError, match=match):
         al.parallelize(tiny_example("mlp").train_step, cluster=LOCAL, **kw)
 
+
+
+def test_stage_construction_respects_eq5_for_the_schedule():
+    """Memory per device = weights + in-flight micro-batches x activations (eq. 5): the same
+    budget holds 1F1B (S - i in flight) and eager-1F1B (2(S - i) - 1) but not GPipe (all 8)."""
+    ex = tiny_example("gpt")
+    small = dataclasses.replace(LOCAL, device_memory=1.5e6)
+    for schedule in ("1f1b", "eager_1f1b"):
+        plan = al.parallelize(ex.train_step, cluster=small, microbatches=8, layers=4, schedule=schedule).plan(*ex.args)
+        assert plan.memory_per_device <= small.device_memory
+        S = plan.num_stages
+        want = [min(S - i, 8) if schedule == "1f1b" else min(2 * (S - i) - 1, 8) for i in range(S)]
+        assert [st.in_flight for st in plan.stages] == want
+    unconstrained = al.parallelize(ex.train_step, cluster=LOCAL, microbatches=8, layers=4, schedule="gpipe").plan(*ex.args)
+    assert unconstrained.memory_per_device > small.device_memory
+    with pytest.raises(InterOpError, match="in flight"):
+        al.parallelize(ex.train_step, cluster=small, microbatches=8, layers=4, schedule="gpipe").plan(*ex.args)
+
+
+def test_interleaved_schedule_is_refused_for_stage_plans():
+    with pytest.raises(InterOpError, match="interleaved"):
+        al.parallelize(tiny_example("mlp").train_step, cluster=LOCAL, microbatches=4, schedule="interleaved_1f1b")

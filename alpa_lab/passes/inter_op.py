@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
 
 __all__ = [
+    "InFlightFn",
     "InterOpError",
     "InterOpPlan",
     "StageCost",
@@ -199,32 +202,55 @@ def _checked_cost(
     return cost
 
 
-@dataclass(frozen=True)
-class _Option:
-    """One feasible logical mesh of a (layer range, sub-mesh)."""
+class _Option(NamedTuple):
+    """One feasible logical mesh of a (layer range, sub-mesh) (a tuple: cheap to build)."""
 
     time: float
     logical_shape: Shape
     max_in_flight: int | None = None
 
 
-@dataclass(frozen=True)
 class _Options:
     """Every feasible logical mesh of one (layer range, sub-mesh), fastest first (ties in
     logical-shape order). ``time`` is the fastest one's."""
 
-    options: tuple[_Option, ...]
+    __slots__ = ("options", "time")
 
-    @property
-    def time(self) -> float:
-        return self.options[0].time
+    def __init__(self, options: tuple[_Option, ...]):
+        self.options = options
+        self.time = options[0].time
+
+    def __repr__(self) -> str:
+        return f"_Options({self.options!r})"
 
     def best(self, need: int | None) -> _Option | None:
         """The fastest option that may hold ``need`` micro-batches (None: no limit)."""
+        if need is None:
+            return self.options[0]
         for opt in self.options:
-            if _fits(opt.max_in_flight, need):
+            if opt.max_in_flight is None or opt.max_in_flight >= need:
                 return opt
         return None
+
+
+_time_of = operator.itemgetter(0)
+
+
+def _frontier(found: list[tuple[float, Shape, int | None]]) -> tuple[_Option, ...]:
+    """The options that are the fastest eligible one for some in-flight count: by time
+    (stable, so ties keep logical-shape order), each kept only if it holds more than every
+    faster one (None = no limit, which ends the list). The rest can never be chosen."""
+    found.sort(key=_time_of)
+    kept: list[_Option] = []
+    most = 0
+    for time, logical, limit in found:
+        if limit is None:
+            kept.append(_Option(time, logical, None))
+            break
+        if limit > most:
+            kept.append(_Option(time, logical, limit))
+            most = limit
+    return tuple(kept)
 
 
 def _profile(
@@ -234,8 +260,11 @@ def _profile(
 
     Without memory limits only the fastest logical mesh matters (a faster stage only lowers
     both sum_i t_i and max_j t_j in eq. 2); with them the fastest may be ineligible at some
-    positions, so all are kept, fastest first. Options with ``max_in_flight == 0`` cannot
-    hold one micro-batch and are dropped (counted in ``stats["no_memory"]``).
+    positions, so every option that is the fastest eligible one for some in-flight count is
+    kept, fastest first (:func:`_frontier`; the others are never chosen, so the DP, its
+    t_max candidates and the reported logical shapes are unchanged by dropping them).
+    Options with ``max_in_flight == 0`` cannot hold one micro-batch and are dropped
+    (counted in ``stats["no_memory"]``).
     """
     table: dict[tuple[int, int, Shape], _Options] = {}
     logicals_of = [(shape, logical_shapes(shape)) for shape in shapes]
@@ -243,19 +272,22 @@ def _profile(
     for start in range(L):
         for end in range(start + 1, L + 1):
             for shape, logicals in logicals_of:
-                found: list[_Option] = []
+                found: list[tuple[float, Shape, int | None]] = []
                 for logical in logicals:
                     cost = _checked_cost(stage_cost, start, end, shape, logical)
                     if cost is None:
                         continue
-                    limit = None if cost.max_in_flight is None else int(cost.max_in_flight)
-                    if limit == 0:
-                        no_memory += 1
-                        continue
-                    found.append(_Option(float(cost.time), logical, limit))
-                if found:
-                    found.sort(key=lambda o: o.time)  # stable: ties keep logical order
-                    table[(start, end, shape)] = _Options(tuple(found))
+                    limit = cost.max_in_flight
+                    if limit is not None:
+                        if limit == 0:
+                            no_memory += 1
+                            continue
+                        limit = int(limit)
+                    found.append((float(cost.time), logical, limit))
+                if len(found) == 1:
+                    table[(start, end, shape)] = _Options((_Option(*found[0]),))
+                elif found:
+                    table[(start, end, shape)] = _Options(_frontier(found))
     if stats is not None:
         stats["no_memory"] = stats.get("no_memory", 0) + no_memory
     return table
@@ -364,12 +396,19 @@ def _solve_f(
         prev = F[s - 1, :emax]
         row = F[s, :kmax]
         table = allowed[s] if per_position else allowed
+        # only the rows k and ends with a finite stage time and a finite rest can win a min
+        # (inf terms never do), so each block is cut to their bounding box: same values
+        finite = np.isfinite(table[:kmax, :emax]) & np.isfinite(prev).any(axis=1)[None, :, None]
+        rows_any, ends_any = finite.any(axis=1), finite.any(axis=0)
         for j, size in enumerate(sizes):
-            t = table[:kmax, :emax, j]
-            if not np.isfinite(t).any():
+            rows = np.flatnonzero(rows_any[:, j])
+            if rows.size == 0:
                 continue
-            cand = (t[:, :, None] + prev[None, :, : D + 1 - size]).min(axis=1)
-            np.minimum(row[:, size:], cand, out=row[:, size:])
+            ends = np.flatnonzero(ends_any[:, j])
+            k0, k1, e0, e1 = rows[0], rows[-1] + 1, ends[0], ends[-1] + 1
+            t = table[k0:k1, e0:e1, j]
+            cand = (t[:, :, None] + prev[None, e0:e1, : D + 1 - size]).min(axis=1)
+            np.minimum(row[k0:k1, size:], cand, out=row[k0:k1, size:])
         if stop_at is not None and F[s, 0, D] == stop_at:
             break
     return F

@@ -39,6 +39,7 @@ from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_sha
 from alpa_lab.plan import Plan, StageResult, make_plan
 
 Shape = tuple[int, int]
+LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel")
 
 __all__ = ["LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages"]
 
@@ -294,23 +295,37 @@ def plan_pipeline(
     max_stages: int | None = None,
     problem: PipelineProblem | None = None,
     progress: Callable[[str], None] | None = None,
+    logical_meshes: str = "all",
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
-    """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring)."""
+    """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
+
+    ``logical_meshes`` is the space of logical mesh shapes per sub-mesh: ``"all"`` 2-D views,
+    or ``"single_node_model_parallel"`` (Alpa's option of that name): (n / k, k) with the
+    model-parallel axis k inside one host, which prices far fewer meshes on a large cluster.
+    """
+    if logical_meshes not in LOGICAL_MESH_SPACES:
+        raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
     problem = problem or PipelineProblem.build(graph, cluster)
     N, M = cluster.hosts, cluster.devices_per_host
     memory = cluster.device_memory
 
     def cost(start: int, end: int, submesh: Shape, logical: Shape) -> StageCost | None:
+        if logical_meshes == "single_node_model_parallel" and M % logical[1]:
+            return None
         c = problem.stage_cost(start, end, submesh, logical)
         if c is None or c.weight_memory + c.activation_memory > memory:
             return None  # cannot hold even one micro-batch
-        return StageCost(c.time, c.weight_memory + c.activation_memory)
+        fits = math.floor((memory - c.weight_memory) / c.activation_memory) if c.activation_memory else None
+        return StageCost(c.time, c.weight_memory + c.activation_memory, max_in_flight=fits)
 
     if progress:
         progress(f"stage DP: {problem.slicing.num_layers} layers on {N}x{M} devices")
     t0, ilp0 = time.perf_counter(), problem.seconds.get("intra_op", 0.0)
     try:
-        inter = stage_dp(problem.slicing.num_layers, N, M, num_microbatches, cost, max_stages=max_stages)
+        inter = stage_dp(
+            problem.slicing.num_layers, N, M, num_microbatches, cost, max_stages=max_stages,
+            in_flight=in_flight_rule(schedule, num_microbatches),
+        )
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
@@ -320,6 +335,27 @@ def plan_pipeline(
     results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
     check_memory(results, cluster)
     return problem, results, timeline
+
+
+def in_flight_rule(schedule: str, num_microbatches: int) -> Callable[[int], int]:
+    """Micro-batches in flight on the stage that has s stages from it to the last (eq. 5).
+
+    The same counts ``schedule.check`` measures: GPipe keeps all B; 1F1B and ZB-H1 (until the
+    input gradient) min(s, B); eager-1F1B min(2s - 1, B).
+    """
+    B = num_microbatches
+    rules = {
+        "gpipe": lambda s: B,
+        "1f1b": lambda s: min(s, B),
+        "zb_h1": lambda s: min(s, B),
+        "eager_1f1b": lambda s: min(2 * s - 1, B),
+    }
+    if schedule not in rules:
+        raise InterOpError(
+            f"schedule {schedule!r} cannot be planned as one stage per sub-mesh; plan with one of "
+            f"{', '.join(rules)} (interleaved 1F1B is simulated by passes.schedule only)"
+        )
+    return rules[schedule]
 
 
 def fixed_stages(
