@@ -234,9 +234,12 @@ class ParallelizedStep:
             if self._compiled is None or getattr(self._compiled, "plan", None) is not plan:
                 sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
                 old = self._compiled
-                if isinstance(old, CompiledPipeline) and [st.plan for st in old.stages] == [st.plan for st in plan.stages] and [
-                    st.device_ids for st in old.stages
-                ] == [st.device_ids for st in plan.stages]:
+                if (
+                    isinstance(old, CompiledPipeline)
+                    and old.schedule.split_backward == sched.split_backward
+                    and [st.plan for st in old.stages] == [st.plan for st in plan.stages]
+                    and [st.device_ids for st in old.stages] == [st.device_ids for st in plan.stages]
+                ):
                     compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan)  # same tasks
                 else:
                     _, split = microbatch_args(self.fn, args, self.microbatches)

@@ -597,6 +597,8 @@ class StageResult:
     weight_memory: float
     activation_memory: float
     in_flight: int
+    weight_gradient_time: float = 0.0
+    """the part of ``backward_time`` a zero-bubble schedule defers (W); 0 when not split."""
 
     @property
     def memory_per_device(self) -> float:

@@ -33,7 +33,7 @@ from alpa_lab.runtime.pipeline import PipelineRunError
 RTOL, ATOL = 1e-4, 1e-5
 LOCAL = al.ClusterSpec.local(hosts=2, devices_per_host=4)
 MODELS = ["mlp", "gpt", "wide_resnet", "moe"]
-SCHEDULES = ["gpipe", "1f1b", "eager_1f1b"]
+SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "zb_h1"]
 MICROBATCHES = 4
 STEPS = 3
 
@@ -288,14 +288,12 @@ def test_cluster_too_small_for_the_model():
         step.plan(*ex.args)
 
 
-def test_schedules_without_a_runtime_are_refused_clearly(pipelined_steps):
-    ex = tiny_example("mlp")
-    step = al.parallelize(ex.train_step, cluster=LOCAL, microbatches=MICROBATCHES, layers=4, schedule="zb_h1")
-    step.plan(*ex.args)
-    state = ex.state
-    with pytest.raises(PipelineRunError, match="planning and simulation only"):
-        step(state, ex.batch)
-    assert step.current_plan.schedule == "zb_h1"  # the plan is kept
+def test_zero_bubble_splits_each_backward_into_input_and_weight_gradients(pipelined_steps):
+    """ZB-H1's B is what the previous stage waits for; W (weight gradients) is deferred."""
+    plan = pipelined_steps["gpt"].current_plan.pin_stages(STAGINGS[2]).with_schedule("zb_h1")
+    assert 0 < plan.stages[1].weight_gradient_time < plan.stages[1].backward_time
+    one_f_one_b = plan.with_schedule("1f1b")
+    assert plan.timeline.makespan <= one_f_one_b.timeline.makespan + 1e-12
 
 
 @pytest.mark.parametrize(

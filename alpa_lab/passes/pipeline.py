@@ -34,7 +34,7 @@ from alpa_lab.passes.inter_op import InterOpError, StageCost, logical_shapes, st
 from alpa_lab.passes.intra_op import _op_key, build_strategy_graph, solve_strategy_graph
 from alpa_lab.passes.methods import method_restrictions, solve_method
 from alpa_lab.passes.schedule import Timeline, check, make_schedule, simulate
-from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program
+from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
 from alpa_lab.plan import Plan, StageResult, make_plan
 
@@ -233,18 +233,26 @@ def plan_stages(
     """Plan each stage (layers, sub-mesh, logical mesh, devices) and simulate the schedule."""
     sched = make_schedule(schedule, len(stages), num_microbatches)
     report = check(sched)
+    deferred: set[str] = set()
+    if sched.split_backward:
+        stage_of_layer = {lay: i for i, (layers, *_) in enumerate(stages) for lay in range(*layers)}
+        stage_of_op = [stage_of_layer[lay] for lay in problem.slicing.layer]
+        deferred = {problem.graph.ops[i].name for i in weight_gradient_ops(problem.graph, problem.slicing, stage_of_op)}
     results = []
     for i, (layers, submesh, logical, devices) in enumerate(stages):
         plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
         f, b, a, w, act = _stage_figures(problem, plan, layers)
+        wt = sum(o.compute_cost + o.communication_cost for o in plan.ops if o.name in deferred)
         results.append(
-            StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i])
+            StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i], wt)
         )
+    split = sched.split_backward
     timeline = simulate(
         sched,
         forward_time=[r.forward_time for r in results],
-        backward_time=[r.backward_time for r in results],
+        backward_time=[r.backward_time - r.weight_gradient_time if split else r.backward_time for r in results],
         transfer_time=_transfer_time(problem, results),
+        weight_time=[r.weight_gradient_time for r in results] if split else None,
     )
     return tuple(results), timeline
 

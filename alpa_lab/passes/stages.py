@@ -26,7 +26,7 @@ from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.markers import LOSS
 from alpa_lab.graph.opgraph import OpGraph
 
-__all__ = ["APPLY", "BACKWARD", "FORWARD", "ProgramSlicing", "SlicingError", "slice_program"]
+__all__ = ["APPLY", "BACKWARD", "FORWARD", "ProgramSlicing", "SlicingError", "slice_program", "weight_gradient_ops"]
 
 FORWARD, BACKWARD, APPLY = "forward", "backward", "apply"
 
@@ -230,3 +230,30 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
         accumulated=accumulated,
         data=data,
     )
+
+
+def weight_gradient_ops(graph: OpGraph, slicing: ProgramSlicing, stage_of_op: Sequence[int]) -> frozenset[int]:
+    """Zero-bubble's W (Qi et al. 2024): backward ops that no other stage waits for.
+
+    A stage's backward splits into B, the ops the previous stage's backward needs (the
+    gradient w.r.t. the stage's input, and what it is computed from), and W, the rest (the
+    weight gradients), which a ZB schedule defers to fill bubbles.
+    """
+    consumers = graph.consumers()
+    backward = [i for i, p in enumerate(slicing.phase) if p == BACKWARD]
+    urgent: set[int] = set()
+    stack = [
+        i
+        for i in backward
+        if any(slicing.phase[c] == BACKWARD and stage_of_op[c] != stage_of_op[i] for v in graph.ops[i].outputs for c in consumers[v])
+    ]
+    while stack:
+        i = stack.pop()
+        if i in urgent:
+            continue
+        urgent.add(i)
+        for v in graph.ops[i].inputs:
+            p = graph.vars[v].producer
+            if p is not None and slicing.phase[p] == BACKWARD and stage_of_op[p] == stage_of_op[i]:
+                stack.append(p)
+    return frozenset(i for i in backward if i not in urgent)

@@ -1,7 +1,8 @@
 """Run a pipeline plan on this process's devices: stages on sub-meshes, micro-batches, schedule.
 
 Each stage's ops are split into *unit tasks* (the cross-mesh resharding paper's term):
-the stage's forward and its backward, run once per micro-batch, and pieces of the weight
+the stage's forward and its backward (for zero-bubble schedules, the backward's input
+gradient B and weight gradient W), run once per micro-batch, and pieces of the weight
 update, run once per step. Every unit task is one ``jax.jit`` on the stage's sub-mesh with
 the stage plan's shardings (``compile_graph``). The driver walks each stage's instruction
 list of the schedule: a stage runs its next RUN as soon as the tensors it needs exist, a
@@ -28,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.subgraph import subgraph
 from alpa_lab.passes.pipeline import StageResult
-from alpa_lab.passes.schedule import BACKWARD, FORWARD, Schedule
-from alpa_lab.passes.stages import APPLY, ProgramSlicing
+from alpa_lab.passes.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
+from alpa_lab.passes.stages import APPLY, ProgramSlicing, weight_gradient_ops
 from alpa_lab.runtime.apply import DeviceError, compile_graph
 from alpa_lab.sharding.spec import ShardingSpec
 
@@ -96,11 +97,10 @@ def compile_pipeline(
     devices: list | None = None,
 ) -> CompiledPipeline:
     """Unit tasks of every stage, jitted on their sub-meshes with the stage plans' shardings."""
-    unsupported = {i.phase for lst in schedule.instructions for i in lst} - {FORWARD, BACKWARD}
-    if unsupported or getattr(schedule, "mesh_of_stage", ()):
+    if schedule.mesh_of_stage and list(schedule.mesh_of_stage) != list(range(len(stages))):
         raise PipelineRunError(
-            f"the runtime runs schedules of whole forwards and backwards, one stage per mesh (gpipe, 1f1b, "
-            f"eager_1f1b); {schedule.name!r} is for planning and simulation only"
+            f"the runtime runs one stage per mesh (gpipe, 1f1b, eager_1f1b, zb_h1); {schedule.name!r} places "
+            "several stages on one mesh and is for planning and simulation only"
         )
     devices = list(jax.devices()) if devices is None else list(devices)
     meshes = tuple(_mesh(st.device_ids, st.logical_shape, devices) for st in stages)
@@ -130,10 +130,16 @@ def compile_pipeline(
         return UnitTask(stage, phase, fn, piece.invars, piece.outvars, ins)
 
     tasks = {}
+    deferred = weight_gradient_ops(graph, slicing, stage_of_op) if schedule.split_backward else frozenset()
     for st in stages:
-        for phase in (FORWARD, BACKWARD):
-            ops = [i for i, s in enumerate(stage_of_op) if s == st.index and slicing.phase[i] == phase]
-            tasks[(st.index, phase)] = unit(st.index, phase, ops)
+        mine = [i for i, s in enumerate(stage_of_op) if s == st.index]
+        tasks[(st.index, FORWARD)] = unit(st.index, FORWARD, [i for i in mine if slicing.phase[i] == FORWARD])
+        backward = [i for i in mine if slicing.phase[i] == BACKWARD]
+        if schedule.split_backward:  # zero-bubble: B now, W (weight gradients) later
+            tasks[(st.index, BACKWARD_INPUT)] = unit(st.index, BACKWARD_INPUT, [i for i in backward if i not in deferred])
+            tasks[(st.index, BACKWARD_WEIGHT)] = unit(st.index, BACKWARD_WEIGHT, [i for i in backward if i in deferred])
+        else:
+            tasks[(st.index, BACKWARD)] = unit(st.index, BACKWARD, backward)
     update = tuple(unit(s, APPLY, ops) for s, ops in _update_pieces(graph, slicing, stage_of_op))
     input_sharding = {}
     for st in stages:
