@@ -330,3 +330,25 @@ def test_stage_construction_respects_eq5_for_the_schedule():
 def test_interleaved_schedule_is_refused_for_stage_plans():
     with pytest.raises(InterOpError, match="interleaved"):
         al.parallelize(tiny_example("mlp").train_step, cluster=LOCAL, microbatches=4, schedule="interleaved_1f1b")
+
+
+def test_runtime_refuses_several_stages_per_mesh(pipelined_steps):
+    from alpa_lab.passes.schedule import make_schedule
+    from alpa_lab.runtime.pipeline import compile_pipeline
+
+    plan = pipelined_steps["mlp"].current_plan.pin_stages(STAGINGS[2])
+    interleaved = make_schedule("interleaved_1f1b", 2, MICROBATCHES, num_meshes=1)
+    with pytest.raises(PipelineRunError, match="several stages on one mesh"):
+        compile_pipeline(plan.problem.graph, plan.problem.slicing, plan.stages, interleaved, ())
+
+
+def test_a_failed_run_keeps_the_plan_and_the_state(pipelined_steps):
+    ex = tiny_example("mlp")
+    step = pipelined_steps["mlp"]
+    plan = step.current_plan
+    odd = jax.tree_util.tree_map(lambda x: x[:6], ex.batch)  # 6 examples cannot make 4 micro-batches
+    with pytest.raises(ValueError, match="does not divide the batch size 6"):
+        step(ex.state, odd)
+    assert step.current_plan is plan
+    state, loss = step(ex.state, ex.batch)  # the state passed in is untouched and still trains
+    assert np.isfinite(float(loss))
