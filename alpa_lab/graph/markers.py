@@ -242,7 +242,10 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
                 for v in live:  # one marker per tensor: each keeps its own sharding
                     if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact):
                         env[v] = mark([env[v]], "boundary", f"layer{cuts[op.index]}")[0]
-            out = op.bind.bind(*(env[v] for v in op.inputs), **op.params)
+            # under the op's own module path, so labels (and the repeated-block reuse that
+            # reads them) survive the re-run
+            with jax.named_scope(op.label) if op.label else contextlib.nullcontext():
+                out = op.bind.bind(*(env[v] for v in op.inputs), **op.params)
             outs = list(out) if op.bind.multiple_results else [out]
             env.update(zip(op.outputs, outs))
             live.extend(op.outputs)
