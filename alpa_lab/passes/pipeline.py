@@ -73,6 +73,8 @@ class PipelineProblem:
     reuse: bool = True
     saved: frozenset[int] = frozenset()
     """forward ops whose results the backward reads: what a micro-batch in flight keeps."""
+    stage_methods: dict = field(default_factory=dict)
+    """(layers, sub-mesh, logical mesh) -> the memory-saving layout the DP priced it with."""
 
     @classmethod
     def build(cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True) -> PipelineProblem:
@@ -184,6 +186,7 @@ def _plan_stage(
     method: str,
     pins: Mapping[str, str],
 ) -> Plan:
+    method = problem.stage_methods.get((layers, submesh, logical), method) if method == "alpa" else method
     graph = problem.graph
     ops = problem.slicing.ops_of(range(*layers))
     names = {graph.ops[i].name for i in ops} | {graph.vars[v].name for i in ops for v in graph.ops[i].inputs}
@@ -320,11 +323,26 @@ def plan_pipeline(
     def cost(start: int, end: int, submesh: Shape, logical: Shape) -> StageCost | None:
         if logical_meshes == "single_node_model_parallel" and M % logical[1]:
             return None
-        c = problem.stage_cost(start, end, submesh, logical)
-        if c is None or c.weight_memory + c.activation_memory > memory:
+        c = problem.stage_cost(start, end, submesh, logical, method)
+        if c is None:
+            return None
+        # the micro-batches this stage may have to hold: at the earliest position it can take
+        need = rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
+        if method == "alpa" and _fits(c, memory) is not None and _fits(c, memory) < need:
+            # the fastest plan (often replicated weights) does not fit there: price the stage
+            # with a memory-saving layout too, as a user would (tensor parallel or ZeRO-3)
+            for saver in MEMORY_SAVING_METHODS:
+                alt = problem.stage_cost(start, end, submesh, logical, saver)
+                if alt is not None and (_fits(alt, memory) is None or _fits(alt, memory) > _fits(c, memory)):
+                    if _fits(alt, memory) is None or _fits(alt, memory) >= need or alt.time < c.time:
+                        c = alt
+                        problem.stage_methods[((start, end), submesh, logical)] = saver
+        fits = _fits(c, memory)
+        if fits == 0:
             return None  # cannot hold even one micro-batch
-        fits = math.floor((memory - c.weight_memory) / c.activation_memory) if c.activation_memory else None
         return StageCost(c.time, c.weight_memory + c.activation_memory, max_in_flight=fits)
+
+    rule = in_flight_rule(schedule, num_microbatches)
 
     if progress:
         progress(f"stage DP: {problem.slicing.num_layers} layers on {N}x{M} devices")
@@ -332,7 +350,7 @@ def plan_pipeline(
     try:
         inter = stage_dp(
             problem.slicing.num_layers, N, M, num_microbatches, cost, max_stages=max_stages,
-            in_flight=in_flight_rule(schedule, num_microbatches),
+            in_flight=rule,
         )
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
@@ -343,6 +361,17 @@ def plan_pipeline(
     results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
     check_memory(results, cluster)
     return problem, results, timeline
+
+
+MEMORY_SAVING_METHODS = ("megatron", "zero3")
+"""Layouts the DP falls back to for a stage whose fastest plan does not fit device memory."""
+
+
+def _fits(c: LayerCost, memory: float) -> int | None:
+    """Micro-batches in flight a stage of cost ``c`` can hold (eq. 5); None: no limit."""
+    if c.weight_memory > memory:
+        return 0
+    return math.floor((memory - c.weight_memory) / c.activation_memory) if c.activation_memory else None
 
 
 def in_flight_rule(schedule: str, num_microbatches: int) -> Callable[[int], int]:
