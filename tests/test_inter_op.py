@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace as dataclass_replace
 from collections import Counter
 
 import pytest
@@ -498,3 +499,47 @@ def test_bad_in_flight_and_limits():
     for bad in (-1, 1.5, True):
         with pytest.raises(InterOpError, match="max_in_flight"):
             stage_dp(2, 1, 2, 2, lambda *a, bad=bad: StageCost(1.0, max_in_flight=bad))
+
+
+def test_variants_per_logical_mesh_match_brute_force():
+    """stage_cost may offer several plans of one logical mesh (a fast one, a lean one); the DP
+    picks, per position, the fastest that fits, and says which (StagePlan.variant)."""
+    rng = random.Random(77)
+    chosen_lean = 0
+    for trial in range(120):
+        L = rng.randint(1, 4)
+        N, M = rng.choice(CLUSTERS)
+        B = rng.randint(1, 6)
+        base = with_limits(rng, random_cost(rng, p_none=0.2), B)
+        lean: dict = {}
+
+        def cost(start, end, shape, logical, base=base, lean=lean):
+            c = base(start, end, shape, logical)
+            if c is None:
+                return None
+            key = (start, end, shape, logical)
+            if key not in lean:
+                lean[key] = StageCost(c.time * rng.uniform(1.1, 3.0), c.memory, None if rng.random() < 0.5 else B + 1, "lean")
+            return [dataclass_replace(c, variant="fast"), lean[key]]
+
+        for rule in (one_f_one_b(B), gpipe(B)):
+            try:
+                plan = stage_dp(L, N, M, B, cost, in_flight=rule)
+            except InterOpError:
+                plan = None
+            try:
+                ref = brute_force_stages(L, N, M, B, cost, in_flight=rule)
+            except InterOpError:
+                ref = None
+            assert (plan is None) == (ref is None), trial
+            if plan is None:
+                continue
+            assert plan.total_time == pytest.approx(ref, rel=1e-9), trial
+            S = len(plan.stages)
+            for i, st in enumerate(plan.stages):
+                options = {c.variant: c for c in cost(*st.layers, st.submesh_shape, st.logical_shape)}
+                c = options[st.variant]
+                assert c.time == st.time
+                assert c.max_in_flight is None or c.max_in_flight >= rule(S - i)
+                chosen_lean += st.variant == "lean"
+    assert chosen_lean > 0

@@ -78,6 +78,9 @@ class StageCost:
     time: float
     memory: float = 0.0
     max_in_flight: int | None = None
+    variant: str = ""
+    """which of several plans of one logical mesh this is (``stage_cost`` may return a list:
+    e.g. the fastest plan and a slower one that needs less memory); reported in StagePlan."""
 
 
 StageCostFn = Callable[[int, int, Shape, Shape], "StageCost | None"]
@@ -93,6 +96,7 @@ class StagePlan:
     logical_shape: Shape
     device_ids: tuple[int, ...]
     time: float
+    variant: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,11 +178,25 @@ def _fits(max_in_flight: int | None, need: int | None) -> bool:
     return max_in_flight is None or need is None or max_in_flight >= need
 
 
+def _checked_costs(
+    stage_cost: StageCostFn, start: int, end: int, shape: Shape, logical: Shape
+) -> list[StageCost]:
+    """``stage_cost``'s answer as a list of checked plans (it may give one, several or None)."""
+    cost = stage_cost(start, end, shape, logical)
+    if isinstance(cost, (list, tuple)):
+        return [c for c in (_check_one(c, start, end, shape, logical) for c in cost) if c is not None]
+    checked = _check_one(cost, start, end, shape, logical)
+    return [] if checked is None else [checked]
+
+
 def _checked_cost(
     stage_cost: StageCostFn, start: int, end: int, shape: Shape, logical: Shape
 ) -> StageCost | None:
     """Call stage_cost and validate its answer (a StageCost with finite time >= 0, or None)."""
-    cost = stage_cost(start, end, shape, logical)
+    return _check_one(stage_cost(start, end, shape, logical), start, end, shape, logical)
+
+
+def _check_one(cost: object, start: int, end: int, shape: Shape, logical: Shape) -> StageCost | None:
     if cost is None:
         return None
     if not isinstance(cost, StageCost):
@@ -208,6 +226,7 @@ class _Option(NamedTuple):
     time: float
     logical_shape: Shape
     max_in_flight: int | None = None
+    variant: str = ""
 
 
 class _Options:
@@ -236,19 +255,19 @@ class _Options:
 _time_of = operator.itemgetter(0)
 
 
-def _frontier(found: list[tuple[float, Shape, int | None]]) -> tuple[_Option, ...]:
+def _frontier(found: list[tuple[float, Shape, int | None, str]]) -> tuple[_Option, ...]:
     """The options that are the fastest eligible one for some in-flight count: by time
     (stable, so ties keep logical-shape order), each kept only if it holds more than every
     faster one (None = no limit, which ends the list). The rest can never be chosen."""
     found.sort(key=_time_of)
     kept: list[_Option] = []
     most = 0
-    for time, logical, limit in found:
+    for time, logical, limit, variant in found:
         if limit is None:
-            kept.append(_Option(time, logical, None))
+            kept.append(_Option(time, logical, None, variant))
             break
         if limit > most:
-            kept.append(_Option(time, logical, limit))
+            kept.append(_Option(time, logical, limit, variant))
             most = limit
     return tuple(kept)
 
@@ -272,18 +291,16 @@ def _profile(
     for start in range(L):
         for end in range(start + 1, L + 1):
             for shape, logicals in logicals_of:
-                found: list[tuple[float, Shape, int | None]] = []
+                found: list[tuple[float, Shape, int | None, str]] = []
                 for logical in logicals:
-                    cost = _checked_cost(stage_cost, start, end, shape, logical)
-                    if cost is None:
-                        continue
-                    limit = cost.max_in_flight
-                    if limit is not None:
-                        if limit == 0:
-                            no_memory += 1
-                            continue
-                        limit = int(limit)
-                    found.append((float(cost.time), logical, limit))
+                    for cost in _checked_costs(stage_cost, start, end, shape, logical):
+                        limit = cost.max_in_flight
+                        if limit is not None:
+                            if limit == 0:
+                                no_memory += 1
+                                continue
+                            limit = int(limit)
+                        found.append((float(cost.time), logical, limit, cost.variant))
                 if len(found) == 1:
                     table[(start, end, shape)] = _Options((_Option(*found[0]),))
                 elif found:
@@ -528,7 +545,7 @@ def stage_dp(
     except PlacementError as err:
         raise InterOpError(f"optimal stage sub-meshes cannot be placed on the cluster: {err}") from err
     stages = tuple(
-        StagePlan((start, end), shape, opt.logical_shape, p.device_ids, opt.time)
+        StagePlan((start, end), shape, opt.logical_shape, p.device_ids, opt.time, opt.variant)
         for (start, end, shape, opt), p in zip(chosen, placements)
     )
     times = [st.time for st in stages]
@@ -664,12 +681,12 @@ def brute_force_stages(
     needs = _in_flight_needs(in_flight, S)
     D = N * M
     shapes = submesh_shapes(N, M)
-    memo: dict[tuple[int, int, Shape, Shape], StageCost | None] = {}
+    memo: dict[tuple[int, int, Shape, Shape], list[StageCost]] = {}
 
-    def cost(start: int, end: int, shape: Shape, logical: Shape) -> StageCost | None:
+    def cost(start: int, end: int, shape: Shape, logical: Shape) -> list[StageCost]:
         key = (start, end, shape, logical)
         if key not in memo:
-            memo[key] = _checked_cost(stage_cost, start, end, shape, logical)
+            memo[key] = _checked_costs(stage_cost, start, end, shape, logical)
         return memo[key]
 
     best = math.inf
@@ -691,12 +708,15 @@ def brute_force_stages(
                 for i, ((start, end), shape, logical) in enumerate(
                     zip(slicing, assignment, logicals)
                 ):
-                    c = cost(start, end, shape, logical)
-                    if c is None or c.max_in_flight == 0:
+                    # eq. 2 grows with each stage's time: the fastest eligible variant wins
+                    eligible = [
+                        c.time
+                        for c in cost(start, end, shape, logical)
+                        if c.max_in_flight != 0 and (needs is None or _fits(c.max_in_flight, needs[num - i]))
+                    ]
+                    if not eligible:
                         break
-                    if needs is not None and not _fits(c.max_in_flight, needs[num - i]):
-                        break
-                    times.append(c.time)
+                    times.append(min(eligible))
                 else:
                     best = min(best, _pipeline_latency(times, B))
     if math.isinf(best):

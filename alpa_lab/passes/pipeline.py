@@ -323,24 +323,19 @@ def plan_pipeline(
     def cost(start: int, end: int, submesh: Shape, logical: Shape) -> StageCost | None:
         if logical_meshes == "single_node_model_parallel" and M % logical[1]:
             return None
-        c = problem.stage_cost(start, end, submesh, logical, method)
-        if c is None:
+        fast = problem.stage_cost(start, end, submesh, logical, method)
+        if fast is None:
             return None
-        # the micro-batches this stage may have to hold: at the earliest position it can take
+        options = [StageCost(fast.time, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
+        # where the fastest plan (often replicated weights) may not hold the micro-batches of
+        # the earliest position this stage can take, offer the DP memory-saving layouts too
         need = rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
-        if method == "alpa" and _fits(c, memory) is not None and _fits(c, memory) < need:
-            # the fastest plan (often replicated weights) does not fit there: price the stage
-            # with a memory-saving layout too, as a user would (tensor parallel or ZeRO-3)
+        if method == "alpa" and _fits(fast, memory) is not None and _fits(fast, memory) < need:
             for saver in MEMORY_SAVING_METHODS:
                 alt = problem.stage_cost(start, end, submesh, logical, saver)
-                if alt is not None and (_fits(alt, memory) is None or _fits(alt, memory) > _fits(c, memory)):
-                    if _fits(alt, memory) is None or _fits(alt, memory) >= need or alt.time < c.time:
-                        c = alt
-                        problem.stage_methods[((start, end), submesh, logical)] = saver
-        fits = _fits(c, memory)
-        if fits == 0:
-            return None  # cannot hold even one micro-batch
-        return StageCost(c.time, c.weight_memory + c.activation_memory, max_in_flight=fits)
+                if alt is not None:
+                    options.append(StageCost(alt.time, alt.weight_memory + alt.activation_memory, _fits(alt, memory), saver))
+        return options
 
     rule = in_flight_rule(schedule, num_microbatches)
 
@@ -356,6 +351,11 @@ def plan_pipeline(
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
+    for st in inter.stages:  # the layout the DP chose for each stage, when not the fastest
+        if st.variant != method:
+            problem.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.variant
+        else:
+            problem.stage_methods.pop((st.layers, st.submesh_shape, st.logical_shape), None)
     if progress:
         progress(f"planning {len(stages)} stages")
     results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
