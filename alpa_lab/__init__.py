@@ -55,3 +55,10 @@ __all__ = [
     "value_and_grad",
 ]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython):  # noqa: ANN001, ANN201 (IPython's hook)
+    """``%load_ext alpa_lab``: the ``%%parallelize`` cell magic (IPython is imported only here)."""
+    from alpa_lab.notebook.magic import load_ipython_extension as load
+
+    load(ipython)

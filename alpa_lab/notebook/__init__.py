@@ -1,0 +1,1 @@
+"""The notebook workbench: the ``%%parallelize`` magic (and, to come, the plan views)."""

@@ -1,0 +1,121 @@
+"""The ``%%parallelize`` cell magic (``%load_ext alpa_lab``).
+
+The cell defines a training step; the magic runs the cell, wraps the step it defines with
+``alpa_lab.parallelize`` (so calling it runs the current plan), and, given the names of
+example arguments, plans it right away and binds the plan to a name. Option errors are
+short ``UsageError``s that say what to change; an error in the user's own code keeps its
+traceback pointing at the user's line.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+import alpa_lab as al
+from alpa_lab.cli import parse_cluster
+from alpa_lab.passes.schedule import SCHEDULES
+
+__all__ = ["ParallelizeMagics", "load_ipython_extension"]
+
+_UNSET = object()
+
+
+def _defined_function(cell: str) -> str:
+    """The name of the last top-level function the cell defines."""
+    try:
+        tree = ast.parse(cell)
+    except SyntaxError:
+        return ""  # the cell's own error is raised when it runs
+    names = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return names[-1] if names else ""
+
+
+@magics_class
+class ParallelizeMagics(Magics):
+    """Holds the ``%%parallelize`` magic; the last step it made is ``self.last_step``."""
+
+    last_step: Any = None
+
+    @magic_arguments()
+    @argument("--cluster", default=None, help="local:HxD (simulated devices, default: all of them) or PRESET:HOSTS, e.g. p3.16xlarge:8")
+    @argument("--microbatches", type=int, default=None, help="pipeline the step over this many micro-batches")
+    @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))}")
+    @argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
+    @argument("--method", default="alpa", help=f"planning method: {', '.join(al.METHODS)}")
+    @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
+    @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
+    @argument("--name", default=None, help="bind the plan to this name")
+    @argument("--no-display", action="store_true", help="do not show the plan")
+    @cell_magic
+    def parallelize(self, line: str, cell: str) -> Any:
+        """Run the cell, parallelize the step it defines, and plan it with ``--args``.
+
+        The step's name is rebound to the parallelized step: calling it runs the current plan.
+        """
+        opts = parse_argstring(self.parallelize, line)
+        ns = self.shell.user_ns
+        fn_name = _defined_function(cell)
+        if not fn_name:
+            raise UsageError("%%parallelize: the cell must define the training step as a top-level `def`")
+        cluster = self._cluster(opts.cluster)
+        if opts.method not in al.METHODS:
+            raise UsageError(f"%%parallelize: unknown --method {opts.method!r}; choose one of {', '.join(al.METHODS)}")
+        names = [a.strip() for a in opts.args.split(",") if a.strip()] if opts.args else []
+        missing = [a for a in names if a not in ns]
+        if missing:
+            raise UsageError(f"%%parallelize: --args names {', '.join(missing)} are not defined in the notebook; define them first")
+        if opts.name is not None and not opts.name.isidentifier():
+            raise UsageError(f"%%parallelize: --name {opts.name!r} is not a Python identifier")
+
+        previous = ns.get(fn_name, _UNSET)
+        result = self.shell.run_cell(cell, store_history=False, silent=True)
+        if not result.success:  # the user's error has been shown with their own traceback
+            return None
+        try:
+            step = al.parallelize(
+                ns[fn_name],
+                cluster=cluster,
+                method=opts.method,
+                memory_budget=opts.memory_budget,
+                microbatches=opts.microbatches,
+                schedule=opts.schedule,
+                layers=opts.layers,
+            )
+        except ValueError as err:  # bad option combinations: say which, and keep the old binding
+            if previous is _UNSET:
+                ns.pop(fn_name, None)
+            else:
+                ns[fn_name] = previous
+            raise UsageError(f"%%parallelize: {err}") from None
+        ns[fn_name] = step
+        self.last_step = step
+        if not names:
+            return None
+        plan = step.plan(*(ns[a] for a in names), progress=lambda msg: print(msg, file=sys.stderr))
+        if opts.name:
+            ns[opts.name] = plan
+        if not opts.no_display:
+            print(plan.summary())
+        return None
+
+    @staticmethod
+    def _cluster(text: str | None) -> al.ClusterSpec:
+        if text is None:
+            import jax
+
+            return al.ClusterSpec.local(1, len(jax.devices()))
+        try:
+            return parse_cluster(text)
+        except SystemExit as err:
+            raise UsageError(f"%%parallelize: {err}") from None
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext alpa_lab``: registers ``%%parallelize``."""
+    ipython.register_magics(ParallelizeMagics)

@@ -1,0 +1,83 @@
+"""The %%parallelize magic in a real in-process IPython shell (issue 4, part 1)."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+import alpa_lab as al
+from alpa_lab.models import tiny_example
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "alpa_lab")
+    ex = tiny_example("mlp")
+    shell.user_ns.update(ex_step=ex.train_step, state=ex.state, batch=ex.batch)
+    return shell
+
+
+CELL = """
+def train_step(state, batch):
+    return ex_step(state, batch)
+"""
+
+
+def test_magic_plans_binds_and_runs(ip, capsys):
+    ip.run_cell_magic("parallelize", "--cluster local:1x4 --args state,batch --name mlp_plan", CELL)
+    step, plan = ip.user_ns["train_step"], ip.user_ns["mlp_plan"]
+    assert isinstance(step, al.ParallelizedStep) and isinstance(plan, al.Plan)
+    assert step.current_plan is plan and plan.cluster["name"] == "local:1x4"
+    assert "Plan (alpa)" in capsys.readouterr().out
+    state, loss = step(ip.user_ns["state"], ip.user_ns["batch"])
+    assert float(loss) > 0
+
+
+def test_magic_pipelined(ip, capsys):
+    line = "--cluster local:2x4 --microbatches 4 --layers 3 --schedule gpipe --args state,batch --name p --no-display"
+    ip.run_cell_magic("parallelize", line, CELL)
+    plan = ip.user_ns["p"]
+    assert plan.schedule == "gpipe" and plan.num_microbatches == 4
+    assert capsys.readouterr().out == ""  # --no-display
+
+
+def test_magic_without_args_only_wraps(ip):
+    ip.run_cell_magic("parallelize", "--cluster p3.16xlarge:2", CELL)
+    step = ip.user_ns["train_step"]
+    assert step.current_plan is None and step.cluster.name == "p3.16xlarge:2"
+
+
+@pytest.mark.parametrize(
+    "line, cell, match",
+    [
+        ("--cluster local:two", CELL, "bad --cluster"),
+        ("--args state,nope", CELL, "nope are not defined"),
+        ("--method fastest", CELL, "unknown --method"),
+        ("--name 1x", CELL, "not a Python identifier"),
+        ("--microbatches 2 --schedule nope", CELL, "unknown pipeline schedule"),
+        ("", "x = 1\n", "must define the training step"),
+        ("--bogus", CELL, "unrecognized arguments"),
+    ],
+)
+def test_magic_errors_are_usage_errors(ip, line, cell, match):
+    before = ip.user_ns.get("train_step")
+    with pytest.raises(UsageError, match=match):
+        ip.run_cell_magic("parallelize", line, cell)
+    assert ip.user_ns.get("train_step") is before  # nothing rebound
+
+
+def test_error_in_the_users_cell_shows_their_code(ip, capsys):
+    cell = "def train_step(state, batch):\n    return 1\nraise RuntimeError('in the user cell')\n"
+    ip.run_cell_magic("parallelize", "", cell)
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "in the user cell" in text and "alpa_lab" not in text.split("RuntimeError")[0].split("Traceback")[-1]
+
+
+def test_help_documents_every_option(ip):
+    doc = ip.find_cell_magic("parallelize").__doc__
+    options = ("--cluster", "--microbatches", "--schedule", "--layers", "--method", "--memory-budget", "--args", "--name", "--no-display")
+    for option in options:
+        assert option in doc
