@@ -683,6 +683,7 @@ class PipelinePlan:
                 f"{f'{st.submesh_shape[0]}x{st.submesh_shape[1]}':<9} {f'{st.logical_shape[0]}x{st.logical_shape[1]}':<8} "
                 f"{devs[:18]:<18} {st.forward_time * 1e3:8.3f} {st.backward_time * 1e3:8.3f} {st.apply_time * 1e3:9.3f} "
                 f"{_fmt_bytes(st.memory_per_device):>10}"
+                + (f"  ({st.plan.method} layout to fit memory)" if st.plan.method != self.method else "")
             )
         if self.pins:
             lines.append("  pins: " + ", ".join(f"{k}={v!r}" for k, v in self.pins))
