@@ -214,6 +214,27 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
             readers = [layer[c] for c in consumers[v]]
             owner[v] = min(readers) if readers else 0
 
+    # a weight read by several layers (tied embeddings) gets its gradient as a sum of
+    # contributions from several layers: sum them once per step, in the update, from their
+    # micro-batch averages (the sum is linear), instead of sending a contribution across
+    # stages every micro-batch
+    merged: set[int] = set()
+    for op in reversed(ops):
+        i = op.index
+        if phase[i] != BACKWARD or op.primitive not in ("add_any", "add") or i in grad_markers:
+            continue
+        readers = [c for v in op.outputs for c in consumers[v]]
+        if not readers or not all(c in grad_markers or c in merged for c in readers):
+            continue
+        sources = {layer[graph.vars[v].producer] for v in op.inputs if graph.vars[v].producer is not None}
+        if len(sources) > 1:
+            merged.add(i)
+    for i in merged:
+        phase[i] = APPLY
+        for v in ops[i].outputs:
+            for c in consumers[v]:
+                phase[c] = APPLY  # the gradient marker (or the next sum) moves with it
+
     returned = set(graph.outvars)
     accumulated = tuple(
         v
