@@ -106,8 +106,6 @@ class StrategyGraph:
     var_dtype: Mapping[int, str] = field(default_factory=dict)
     argument_kinds: Mapping[int, str] = field(default_factory=dict)
     """argument var -> "param", "optimizer_state", "data" (``graph.analysis``) or "activation"."""
-    gradient_nodes: tuple[int, ...] = ()
-    """nodes of the gradient markers (``alpa_lab.value_and_grad``): one per gradient leaf."""
 
     def node_index(self, name: str) -> int:
         for i, n in enumerate(self.nodes):
@@ -212,11 +210,6 @@ def build_strategy_graph(
         var_info={v.id: (v.shape, v.itemsize) for v in graph.vars},
         var_dtype={v.id: v.dtype for v in graph.vars},
         argument_kinds=argument_kinds,
-        gradient_nodes=tuple(
-            i
-            for i, n in enumerate(nodes)
-            if n.primitive == "pipeline_marker" and graph.ops[n.op_index].params.get("kind") == "gradient"
-        ),
     )
 
 
