@@ -238,8 +238,7 @@ def plan_stages(
     report = check(sched)
     deferred: set[str] = set()
     if sched.split_backward:
-        stage_of_layer = {lay: i for i, (layers, *_) in enumerate(stages) for lay in range(*layers)}
-        stage_of_op = [stage_of_layer[lay] for lay in problem.slicing.layer]
+        stage_of_op = problem.slicing.stage_of_ops([layers for layers, *_ in stages])
         deferred = {problem.graph.ops[i].name for i in weight_gradient_ops(problem.graph, problem.slicing, stage_of_op)}
     results = []
     for i, (layers, submesh, logical, devices) in enumerate(stages):
@@ -263,23 +262,20 @@ def plan_stages(
 def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> float:
     """The slowest boundary's activation (or gradient) transfer between adjacent stages."""
     graph, sl = problem.graph, problem.slicing
-    stage_of_layer = {}
-    for st in stages:
-        for lay in range(*st.layers):
-            stage_of_layer[lay] = st.index
+    stage_of_op = sl.stage_of_ops([st.layers for st in stages])
     forward = [0.0] * len(stages)  # bytes stage i sends to i + 1 (activations) ...
     backward = [0.0] * len(stages)  # ... and receives back from it (gradients), per micro-batch
     seen = set()
     for op in graph.ops:
         if sl.phase[op.index] == APPLY:
             continue
-        dst = stage_of_layer[sl.layer[op.index]]
+        dst = stage_of_op[op.index]
         for v in op.inputs:
             p = graph.vars[v].producer
             if p is None or sl.phase[p] == APPLY or (v, dst) in seen:
                 continue
             seen.add((v, dst))
-            src = stage_of_layer[sl.layer[p]]
+            src = stage_of_op[p]
             if src < dst:
                 forward[src] += graph.vars[v].nbytes
             elif src > dst:

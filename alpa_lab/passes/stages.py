@@ -55,6 +55,11 @@ class ProgramSlicing:
         want = set(layers)
         return [i for i, (p, lay) in enumerate(zip(self.phase, self.layer)) if lay in want and p in phases]
 
+    def stage_of_ops(self, layer_ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+        """Stage of every op, stage i holding the half-open layer range ``layer_ranges[i]``."""
+        stage_of_layer = {lay: i for i, (start, end) in enumerate(layer_ranges) for lay in range(start, end)}
+        return tuple(stage_of_layer[lay] for lay in self.layer)
+
 
 def _is_marker(op, kind: str) -> bool:
     return op.primitive == "pipeline_marker" and op.params["kind"] == kind

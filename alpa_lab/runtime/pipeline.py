@@ -104,8 +104,7 @@ def compile_pipeline(
         )
     devices = list(jax.devices()) if devices is None else list(devices)
     meshes = tuple(_mesh(st.device_ids, st.logical_shape, devices) for st in stages)
-    stage_of_layer = {lay: st.index for st in stages for lay in range(*st.layers)}
-    stage_of_op = tuple(stage_of_layer[lay] for lay in slicing.layer)
+    stage_of_op = slicing.stage_of_ops([st.layers for st in stages])
 
     # the sharding each stage gives every tensor it touches (its plan, by op name and path)
     spec: list[dict[int, str]] = []
