@@ -69,6 +69,10 @@ class CompiledPipeline:
     update: tuple[UnitTask, ...]
     stage_of_op: tuple[int, ...]
     input_sharding: dict[tuple[int, int], NamedSharding]
+    needs: dict[tuple[int, str], set[tuple[int, str]]]
+    """per-micro-batch task -> the tasks of the same micro-batch it reads from."""
+    readers: dict[int, int]
+    """per-micro-batch tensor -> how many tasks read it (FREE after the last)."""
     plan: Any = None
     """the PipelinePlan this was compiled from (set by ``ParallelizedStep``)."""
     last_timings: dict[str, Any] = field(default_factory=dict)
@@ -145,9 +149,16 @@ def compile_pipeline(
         for v, text in spec[st.index].items():
             if graph.vars[v].kind == "input":
                 input_sharding[(v, st.index)] = NamedSharding(meshes[st.index], ShardingSpec.parse(text).to_partition_spec())
+    producer_task = {v: key for key, t in tasks.items() for v in t.outvars}
+    needs = {key: {producer_task[v] for v in t.invars if v in producer_task} for key, t in tasks.items()}
+    readers: dict[int, int] = defaultdict(int)
+    for t in tasks.values():
+        for v in t.invars:
+            if v in producer_task:
+                readers[v] += 1
     return CompiledPipeline(
         graph, slicing, tuple(stages), schedule, schedule.num_microbatches, tuple(split), meshes, tasks, update,
-        stage_of_op, input_sharding,
+        stage_of_op, input_sharding, needs, dict(readers),
     )
 
 
@@ -234,18 +245,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
 
     pending = {st.index: list(cp.schedule.runs(st.index)) for st in cp.stages}
     done: set[tuple[int, str, int]] = set()
-    producer_task = {}
-    for (s, phase), t in cp.tasks.items():
-        for v in t.outvars:
-            producer_task[v] = (s, phase)
-    needs = {
-        key: {producer_task[v] for v in t.invars if v in producer_task} for key, t in cp.tasks.items()
-    }
-    readers: dict[int, int] = defaultdict(int)  # tasks that read each per-micro-batch tensor
-    for t in cp.tasks.values():
-        for v in t.invars:
-            if v in producer_task:
-                readers[v] += 1
+    needs, readers = cp.needs, cp.readers
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     stage_seconds = defaultdict(float)
     progress = True
@@ -263,7 +263,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
                 stage_seconds[(s, phase)] += time.perf_counter() - t
                 for v, x in zip(task.outvars, outs):
                     store[(v, mb)] = x
-                    left[(v, mb)] = readers[v]
+                    left[(v, mb)] = readers.get(v, 0)
                     if v in accumulated:
                         sums[v] = x if v not in sums else sums[v] + x
                 for v in task.invars:
