@@ -111,6 +111,7 @@ class ParallelizedStep:
         self.memory_budget = memory_budget
         self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
+        self._splits: dict[Any, tuple[bool, ...]] = {}
         self._compiled: CompiledPlan | CompiledPipeline | None = None
         self._problems: dict[Any, Any] = {}
         self.__name__ = getattr(fn, "__name__", "step")
@@ -129,17 +130,22 @@ class ParallelizedStep:
         key = _signature(args)
         if key not in self._graphs:
             if self.pipelined:
-                micro, _ = microbatch_args(self.fn, args, self.microbatches)
+                micro, self._splits[key] = microbatch_args(self.fn, args, self.microbatches)
                 with auto_layers(self.layers or DEFAULT_LAYERS):
                     self._graphs[key] = trace(self.fn, *micro)
             else:
                 self._graphs[key] = trace(self.fn, *args)
         return self._graphs[key]
 
+    def _split(self, *args: Any) -> tuple[bool, ...]:
+        """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
+        self.trace(*args)
+        return self._splits[_signature(args)]
+
     def _plan_pipeline(self, args: tuple, pins: Mapping[str, str] | None, progress: Callable[[str], None] | None) -> PipelinePlan:
         t0 = time.perf_counter()
         graph = self.trace(*args)
-        _, split = microbatch_args(self.fn, args, self.microbatches)
+        split = self._split(*args)
         traced = time.perf_counter() - t0
         problem, stages, timeline = plan_pipeline(
             graph,
@@ -242,8 +248,7 @@ class ParallelizedStep:
                 ):
                     compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan)  # same tasks
                 else:
-                    _, split = microbatch_args(self.fn, args, self.microbatches)
-                    compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, split)
+                    compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, self._split(*args))
                     compiled.plan = plan
                 self._compiled = compiled
             return self._compiled
