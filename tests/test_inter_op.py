@@ -55,6 +55,22 @@ def structured_cost(rng: random.Random, num_layers: int, mem_cap: float | None):
     return cost
 
 
+def random_instances(seed: int, count: int):
+    """(trial, L, N, M, B, cost, max_stages) of the DP's random tests. Costs draw lazily from
+    the same generator, so an instance also depends on what the caller asked of the earlier ones."""
+    rng = random.Random(seed)
+    for trial in range(count):
+        L = rng.randint(1, 5)
+        N, M = rng.choice(CLUSTERS)
+        B = rng.randint(1, 8)
+        if trial % 2 == 0:
+            cost = random_cost(rng, p_none=rng.choice([0.0, 0.2, 0.6, 0.95]))
+        else:
+            cost = structured_cost(rng, L, mem_cap=rng.choice([None, 3.0, 8.0]))
+        max_stages = rng.choice([None, None, None, 1, 2])
+        yield trial, L, N, M, B, cost, max_stages
+
+
 def check_plan(plan: InterOpPlan, L: int, N: int, M: int, B: int) -> None:
     ids = [d for st in plan.stages for d in st.device_ids]
     assert len(ids) == len(set(ids)) == N * M
@@ -100,17 +116,8 @@ def test_logical_shapes():
 
 
 def test_dp_matches_brute_force_on_random_instances():
-    rng = random.Random(20220711)
     infeasible = feasible = multi_stage = 0
-    for trial in range(200):
-        L = rng.randint(1, 5)
-        N, M = rng.choice(CLUSTERS)
-        B = rng.randint(1, 8)
-        if trial % 2 == 0:
-            cost = random_cost(rng, p_none=rng.choice([0.0, 0.2, 0.6, 0.95]))
-        else:
-            cost = structured_cost(rng, L, mem_cap=rng.choice([None, 3.0, 8.0]))
-        max_stages = rng.choice([None, None, None, 1, 2])
+    for trial, L, N, M, B, cost, max_stages in random_instances(20220711, 200):
         plan, ref, calls = solve_both(L, N, M, B, cost, max_stages)
         assert all(v == 1 for v in calls.values()), "stage_cost called twice for one tuple"
         assert (plan is None) == (ref is None), (trial, L, N, M, B)
@@ -393,16 +400,7 @@ def test_in_flight_none_ignores_limits_except_zero():
     """in_flight=None: the plans of the existing random instances are unchanged, with or
     without max_in_flight (0 excepted, which never fits), and non-binding limits with an
     in_flight rule give the very same plans (fast path)."""
-    rng = random.Random(20220711)
-    for trial in range(200):
-        L = rng.randint(1, 5)
-        N, M = rng.choice(CLUSTERS)
-        B = rng.randint(1, 8)
-        if trial % 2 == 0:
-            base = random_cost(rng, p_none=rng.choice([0.0, 0.2, 0.6, 0.95]))
-        else:
-            base = structured_cost(rng, L, mem_cap=rng.choice([None, 3.0, 8.0]))
-        max_stages = rng.choice([None, None, None, 1, 2])
+    for trial, L, N, M, B, base, max_stages in random_instances(20220711, 200):
         limited = with_limits(random.Random(trial), base, B)
         roomy = lambda *a, base=base, B=B: (  # noqa: E731
             None if (c := base(*a)) is None else StageCost(c.time, c.memory, max_in_flight=B)
