@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from alpa_lab.cost.cluster import Collective, _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
+from alpa_lab.passes.inter_op import pipeline_latency
 from alpa_lab.passes.intra_op import PinError, StrategyGraph
 from alpa_lab.passes.methods import MethodSolution, solve_method
 from alpa_lab.sharding.resharding import resharding
@@ -643,7 +644,7 @@ class PipelinePlan:
     def latency(self) -> float:
         """Eq. 2 of the Alpa paper: sum of stage times + (B - 1) x the slowest stage."""
         times = [st.forward_time + st.backward_time for st in self.stages]
-        return sum(times) + (self.num_microbatches - 1) * max(times)
+        return pipeline_latency(times, self.num_microbatches)
 
     @property
     def memory_per_device(self) -> float:

@@ -35,7 +35,7 @@ from alpa_lab.api import microbatch_args
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.trace import trace
 from alpa_lab.models import gpt_config, make_gpt, make_wide_resnet, wide_resnet_config
-from alpa_lab.passes.inter_op import logical_shapes
+from alpa_lab.passes.inter_op import logical_shapes, pipeline_latency
 from alpa_lab.passes.pipeline import MEMORY_SAVING_METHODS, PipelineProblem, plan_pipeline
 from alpa_lab.passes.submesh import place_submeshes, submesh_shapes
 
@@ -51,7 +51,7 @@ GPT_ROWS = {
     "39B": (8192, 48, 64, 64, 1024),
     "175B": (12288, 96, 96, 1024, 64),
 }
-# name: (blocks per stage, base width, width factor, devices) -- sized after Table 4's Wide-ResNet
+# name: (blocks per stage, base width, width factor, devices, micro-batches) -- sized after Table 4's Wide-ResNet
 # rows (our Wide-ResNet has basic blocks, 4 stages; the printed parameter count is the real one)
 WRN_ROWS = {
     "250M": (4, 160, 2, 1, 768),
@@ -68,10 +68,6 @@ def cluster_for(devices: int) -> al.ClusterSpec:
     if devices < 8:
         return dataclasses.replace(al.ClusterSpec.preset("p3.16xlarge", hosts=1), devices_per_host=devices)
     return al.ClusterSpec.preset("p3.16xlarge", hosts=devices // 8)
-
-
-def eq2(times: list[float], microbatches: int) -> float:
-    return sum(times) + (microbatches - 1) * max(times)
 
 
 def fits(problem: PipelineProblem, stages: list, microbatches: int, method: str) -> list[float] | None:
@@ -120,7 +116,7 @@ def best_over_logical(problem, ranges, shape, microbatches, method="alpa") -> fl
             return math.inf
         stages.append((start, end, shape, min(options)[1]))
     times = fits(problem, stages, microbatches, method)
-    return eq2(times, microbatches) if times else math.inf
+    return pipeline_latency(times, microbatches) if times else math.inf
 
 
 def equal_ranges(L: int, S: int) -> list[tuple[int, int]] | None:
@@ -175,7 +171,7 @@ def megatron(problem, microbatches: int) -> tuple[float, tuple[int, int, int]]:
             stages = [(a, b, shape, (dp, tp)) for a, b in ranges]
             times = fits(problem, stages, microbatches, "megatron")
             if times:
-                best = min(best, (eq2(times, microbatches), (dp, tp, pp)))
+                best = min(best, (pipeline_latency(times, microbatches), (dp, tp, pp)))
     return best
 
 
@@ -206,8 +202,8 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     step = timeline.makespan + max(st.apply_time for st in stages)
     # the baselines are priced with the DP's layer costs; so is "ours" here (the final stage
     # plans add the weight update and the resharding between layers of a stage)
-    ours_eq2 = eq2([problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape).time for st in stages], M)
-    final_eq2 = eq2([st.forward_time + st.backward_time for st in stages], M)
+    ours_eq2 = pipeline_latency([problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape).time for st in stages], M)
+    final_eq2 = pipeline_latency([st.forward_time + st.backward_time for st in stages], M)
     pflops = graph.total_flops * M / step / 1e15
     layout = " ".join(
         f"[{st.layers[0]}-{st.layers[1] - 1}]{st.submesh_shape[0]}x{st.submesh_shape[1]}/{st.logical_shape[0]}x{st.logical_shape[1]}"

@@ -53,6 +53,7 @@ __all__ = [
     "StagePlan",
     "brute_force_stages",
     "logical_shapes",
+    "pipeline_latency",
     "stage_dp",
 ]
 
@@ -129,7 +130,7 @@ def logical_shapes(submesh_shape: Shape) -> tuple[Shape, ...]:
     return tuple((a, size // a) for a in range(1, size + 1) if size % a == 0)
 
 
-def _pipeline_latency(times: list[float] | tuple[float, ...], num_microbatches: int) -> float:
+def pipeline_latency(times: list[float] | tuple[float, ...], num_microbatches: int) -> float:
     """Eq. 2: sum of stage latencies plus (B - 1) times the slowest stage."""
     return float(sum(times)) + (num_microbatches - 1) * float(max(times))
 
@@ -551,7 +552,7 @@ def stage_dp(
     times = [st.time for st in stages]
     return InterOpPlan(
         stages=stages,
-        total_time=_pipeline_latency(times, B),
+        total_time=pipeline_latency(times, B),
         t_max=max(times),
         num_microbatches=B,
     )
@@ -718,7 +719,7 @@ def brute_force_stages(
                         break
                     times.append(min(eligible))
                 else:
-                    best = min(best, _pipeline_latency(times, B))
+                    best = min(best, pipeline_latency(times, B))
     if math.isinf(best):
         raise InterOpError(f"no slicing of {L} layers fits {N}x{M} devices (brute force)")
     return best
