@@ -75,6 +75,8 @@ class PipelineProblem:
     """forward ops whose results the backward reads: what a micro-batch in flight keeps."""
     stage_methods: dict = field(default_factory=dict)
     """(layers, sub-mesh, logical mesh) -> the memory-saving layout the DP priced it with."""
+    state_factor: float = 1.0
+    """(params + optimizer state) / params: layer pieces hold no optimizer state, eq. 5 needs it."""
 
     @classmethod
     def build(cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True) -> PipelineProblem:
@@ -94,7 +96,13 @@ class PipelineProblem:
             if slicing.phase[op.index] == FORWARD
             and any(slicing.phase[c] == BACKWARD for v in op.outputs for c in consumers[v])
         )
-        problem = cls(graph, slicing, cluster, classify_arguments(graph), tuple(layer_keys), reuse=reuse, saved=saved)
+        kinds = classify_arguments(graph)
+        sizes = {"param": 0.0, "optimizer_state": 0.0}
+        for v, kind in kinds.items():
+            if kind in sizes:
+                sizes[kind] += graph.vars[v].nbytes
+        factor = 1.0 + sizes["optimizer_state"] / sizes["param"] if sizes["param"] else 1.0
+        problem = cls(graph, slicing, cluster, kinds, tuple(layer_keys), reuse=reuse, saved=saved, state_factor=factor)
         problem.seconds["slicing"] = time.perf_counter() - t0
         return problem
 
@@ -124,16 +132,14 @@ class PipelineProblem:
         if not ops:
             return LayerCost(0.0, 0.0, 0.0, 0.0)
         piece = subgraph(self.graph, ops)
-        sg = build_strategy_graph(
-            piece.graph, self.mesh(submesh, logical), argument_kinds=self.piece_kinds(piece), reuse_repeated_blocks=self.reuse
-        )
+        kinds = self.piece_kinds(piece)
+        sg = build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse)
         try:
             sol = solve_strategy_graph(sg, restrictions=method_restrictions(method, sg))
         except ValueError:
             return None
         forward = weights = activations = 0.0
         op_total = 0.0
-        kinds = self.piece_kinds(piece)
         for n, node in enumerate(sg.nodes):
             s = node.strategies[sol.choice[n]]
             if node.op_index is None:
@@ -147,15 +153,7 @@ class PipelineProblem:
             if ops[node.op_index] in self.saved:
                 activations += s.memory_cost
         forward += sol.objective - op_total  # loads and reshardings: charged to the forward
-        return LayerCost(forward, sol.objective - forward, weights * self._state_factor(), activations)
-
-    def _state_factor(self) -> float:
-        """(params + optimizer state) / params: layer pieces hold no optimizer state, eq. 5 needs it."""
-        sizes = {"param": 0.0, "optimizer_state": 0.0}
-        for v, kind in self.argument_kinds.items():
-            if kind in sizes:
-                sizes[kind] += self.graph.vars[v].nbytes
-        return 1.0 + sizes["optimizer_state"] / sizes["param"] if sizes["param"] else 1.0
+        return LayerCost(forward, sol.objective - forward, weights * self.state_factor, activations)
 
     def stage_cost(self, start: int, end: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
         """Layers [start, end) on one logical mesh: the sum of their layer costs."""
