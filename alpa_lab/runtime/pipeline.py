@@ -111,11 +111,12 @@ def compile_pipeline(
     stage_of_op = slicing.stage_of_ops([st.layers for st in stages])
 
     # the sharding each stage gives every tensor it touches (its plan, by op name and path)
+    op_plans = [{o.name: o for o in st.plan.ops if o.kind == "op"} for st in stages]
     spec: list[dict[int, str]] = []
     for st in stages:
         piece = subgraph(graph, [i for i, s in enumerate(stage_of_op) if s == st.index])
         specs = dict(zip(piece.invars, (t.spec for t in st.plan.inputs)))
-        by_name = {o.name: o for o in st.plan.ops if o.kind == "op"}
+        by_name = op_plans[st.index]
         for i in sorted(set(piece.var_map) - set(piece.invars)):
             p = graph.vars[i].producer
             if p is not None and stage_of_op[p] == st.index:
@@ -125,11 +126,9 @@ def compile_pipeline(
 
     def unit(stage: int, phase: str, ops: list[int]) -> UnitTask:
         piece = subgraph(graph, ops)
-        mesh = meshes[stage]
-        by_name = {o.name: o for o in stages[stage].plan.ops if o.kind == "op"}
         in_specs = [spec[stage][v] for v in piece.invars]
         out_specs = [spec[stage][v] for v in piece.outvars]
-        fn, ins, _ = compile_graph(piece.graph, by_name, in_specs, out_specs, mesh)
+        fn, ins, _ = compile_graph(piece.graph, op_plans[stage], in_specs, out_specs, meshes[stage])
         return UnitTask(stage, phase, fn, piece.invars, piece.outvars, ins)
 
     tasks = {}
