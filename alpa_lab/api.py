@@ -177,6 +177,11 @@ class ParallelizedStep:
 
     def plan(self, *args: Any, pins: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None) -> Plan:
         """Trace with ``args`` (arrays or ShapeDtypeStructs) and plan; the plan becomes current."""
+        if progress:
+            t0 = time.perf_counter()
+            progress("tracing the step")
+            graph = self.trace(*args)
+            progress(f"traced {len(graph.ops)} ops ({time.perf_counter() - t0:.1f}s)")
         if self.pipelined:
             self.current_plan = self._plan_pipeline(args, pins, progress)
             return self.current_plan

@@ -745,24 +745,26 @@ class PipelinePlan:
         return self._replan(self._current_stages(), pins, self.stage_pins)
 
     def diff(self, other: PipelinePlan) -> str:
-        """What changed between two pipeline plans: stages, then each stage's op strategies."""
+        """Changes from ``other`` (the older plan) to this one, as ``Plan.diff``: stages, then op strategies."""
         lines = []
         if self._current_stages() != other._current_stages():
-            for a, b in zip(self.stages, other.stages):
+            for a, b in zip(other.stages, self.stages):
                 if (a.layers, a.submesh_shape, a.logical_shape) != (b.layers, b.submesh_shape, b.logical_shape):
                     lines.append(
                         f"stage {a.index}: layers {a.layers[0]}..{a.layers[1] - 1} on {a.submesh_shape} as {a.logical_shape} "
                         f"-> layers {b.layers[0]}..{b.layers[1] - 1} on {b.submesh_shape} as {b.logical_shape}"
                     )
             if len(self.stages) != len(other.stages):
-                lines.append(f"{len(self.stages)} stages -> {len(other.stages)} stages")
+                lines.append(f"{len(other.stages)} stages -> {len(self.stages)} stages")
         else:
-            for a, b in zip(self.stages, other.stages):
-                d = a.plan.diff(b.plan)
-                if d.changes:
+            for a, b in zip(other.stages, self.stages):
+                d = b.plan.diff(a.plan)
+                if d.changes or d.pins_added or d.pins_removed:
                     lines.append(f"stage {a.index}: {d}")
+        if self.schedule != other.schedule:
+            lines.append(f"schedule {other.schedule} -> {self.schedule}")
         lines.append(
-            f"predicted step time {self.estimated_step_time * 1e3:.3f} ms -> {other.estimated_step_time * 1e3:.3f} ms "
-            f"({_signed_pct(self.estimated_step_time, other.estimated_step_time)})"
+            f"predicted step time {other.estimated_step_time * 1e3:.3f} ms -> {self.estimated_step_time * 1e3:.3f} ms "
+            f"({_signed_pct(other.estimated_step_time, self.estimated_step_time)})"
         )
         return "\n".join(lines)

@@ -26,11 +26,11 @@ def train_step(state, batch):
 
 
 def test_magic_plans_binds_and_runs(ip, capsys):
-    ip.run_cell_magic("parallelize", "--cluster local:1x4 --args state,batch --name mlp_plan", CELL)
+    wb = ip.run_cell_magic("parallelize", "--cluster local:1x4 --args state,batch --name mlp_plan", CELL)
     step, plan = ip.user_ns["train_step"], ip.user_ns["mlp_plan"]
     assert isinstance(step, al.ParallelizedStep) and isinstance(plan, al.Plan)
     assert step.current_plan is plan and plan.cluster["name"] == "local:1x4"
-    assert "Plan (alpa)" in capsys.readouterr().out
+    assert "Plan (alpa)" in repr(wb)  # a terminal shows the summary; a notebook the widget
     state, loss = step(ip.user_ns["state"], ip.user_ns["batch"])
     assert float(loss) > 0
 
@@ -76,8 +76,24 @@ def test_error_in_the_users_cell_shows_their_code(ip, capsys):
     assert "in the user cell" in text and "alpa_lab" not in text.split("RuntimeError")[0].split("Traceback")[-1]
 
 
-def test_help_documents_every_option(ip):
-    doc = ip.find_cell_magic("parallelize").__doc__
-    options = ("--cluster", "--microbatches", "--schedule", "--layers", "--method", "--memory-budget", "--args", "--name", "--no-display")
-    for option in options:
-        assert option in doc
+def test_magic_shows_the_workbench_and_its_edits_rebind_the_name(ip):
+    from alpa_lab.notebook import Workbench
+
+    wb = ip.run_cell_magic("parallelize", "--cluster local:1x4 --args state,batch --name wb_plan", CELL)
+    assert isinstance(wb, Workbench) and wb.plan is ip.user_ns["wb_plan"]
+    op = next(o for o in wb.plan.ops if o.kind == "op" and o.num_strategies > 1)
+    other = next(a.strategy for a in wb.plan.explain(op.name).alternatives if not a.chosen)
+    assert wb.pin(op.name, other)
+    assert ip.user_ns["wb_plan"] is wb.plan and ip.user_ns["train_step"].current_plan is wb.plan
+    assert ip.user_ns["wb_plan"].op(op.name).strategy == other
+
+
+
+def test_help_prints_every_option_and_runs_nothing(ip, capsys):
+    ip.user_ns.pop("helped", None)
+    assert ip.run_cell_magic("parallelize", "--help", "def helped(state, batch):\n    return state\n") is None
+    out = capsys.readouterr().out
+    for option in ("--cluster", "--microbatches", "--schedule", "--layers", "--method", "--memory-budget", "--args", "--name",
+                   "--no-display", "p3.16xlarge:8"):
+        assert option in out
+    assert "helped" not in ip.user_ns

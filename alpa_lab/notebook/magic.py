@@ -10,12 +10,12 @@ traceback pointing at the user's line.
 from __future__ import annotations
 
 import ast
-import sys
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from tqdm.auto import tqdm
 
 import alpa_lab as al
 from alpa_lab.cli import parse_cluster
@@ -41,6 +41,7 @@ class ParallelizeMagics(Magics):
     """Holds the ``%%parallelize`` magic; the last step it made is ``self.last_step``."""
 
     last_step: Any = None
+    last_workbench: Any = None
 
     @magic_arguments()
     @argument("--cluster", default=None, help="local:HxD (simulated devices, default: all of them) or PRESET:HOSTS, e.g. p3.16xlarge:8")
@@ -51,14 +52,20 @@ class ParallelizeMagics(Magics):
     @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
     @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
     @argument("--name", default=None, help="bind the plan to this name")
-    @argument("--no-display", action="store_true", help="do not show the plan")
+    @argument("--no-display", action="store_true", help="plan, but do not show the workbench")
+    @argument("-h", "--help", action="store_true", help="show this help and do nothing else")
     @cell_magic
     def parallelize(self, line: str, cell: str) -> Any:
         """Run the cell, parallelize the step it defines, and plan it with ``--args``.
 
         The step's name is rebound to the parallelized step: calling it runs the current plan.
+        The cell's result is the workbench (``wb = _`` in the next cell keeps it); its edits
+        re-bind ``--name`` and become the step's plan.
         """
         opts = parse_argstring(self.parallelize, line)
+        if opts.help:
+            print(self.parallelize.__doc__)
+            return None
         ns = self.shell.user_ns
         fn_name = _defined_function(cell)
         if not fn_name:
@@ -97,12 +104,22 @@ class ParallelizeMagics(Magics):
         self.last_step = step
         if not names:
             return None
-        plan = step.plan(*(ns[a] for a in names), progress=lambda msg: print(msg, file=sys.stderr))
-        if opts.name:
-            ns[opts.name] = plan
-        if not opts.no_display:
-            print(plan.summary())
-        return None
+        with tqdm(desc="planning", unit=" pass", bar_format="{desc}: {n_fmt} passes [{elapsed}] {postfix}") as bar:
+
+            def progress(msg: str) -> None:
+                bar.set_postfix_str(msg)
+                bar.update(1)
+
+            plan = step.plan(*(ns[a] for a in names), progress=progress)
+        bind = (lambda p: ns.__setitem__(opts.name, p)) if opts.name else None
+        if bind:
+            bind(plan)
+        if opts.no_display:
+            return None
+        from alpa_lab.notebook.workbench import Workbench
+
+        self.last_workbench = Workbench(plan, step, on_change=bind)
+        return self.last_workbench  # the cell's result: shown, and ``_`` in the next cell
 
     @staticmethod
     def _cluster(text: str | None) -> al.ClusterSpec:

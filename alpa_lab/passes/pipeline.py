@@ -31,7 +31,7 @@ from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, StageCost, logical_shapes, stage_dp
-from alpa_lab.passes.intra_op import _op_key, build_strategy_graph, solve_strategy_graph
+from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, solve_strategy_graph
 from alpa_lab.passes.methods import method_restrictions, solve_method
 from alpa_lab.passes.schedule import Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
@@ -41,7 +41,7 @@ from alpa_lab.plan import Plan, StageResult, make_plan
 Shape = tuple[int, int]
 LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel")
 
-__all__ = ["LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages"]
+__all__ = ["LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages", "stage_tensor_specs"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,16 @@ class PipelineProblem:
     """(layers, sub-mesh, logical mesh) -> the memory-saving layout the DP priced it with."""
     state_factor: float = 1.0
     """(params + optimizer state) / params: layer pieces hold no optimizer state, eq. 5 needs it."""
+    pieces: dict[tuple[int, int], Subgraph] = field(default_factory=dict)
+    """layers [start, end) -> that stage's program (cut once; plans, runtime and views share it)."""
+    stage_graphs: dict[tuple, StrategyGraph] = field(default_factory=dict)
+    """(layers, logical mesh, devices) -> its intra-op problem: a pin re-solves only the ILP."""
+
+    def piece(self, layers: tuple[int, int]) -> Subgraph:
+        """The program of the stage holding ``layers`` [start, end)."""
+        if layers not in self.pieces:
+            self.pieces[layers] = subgraph(self.graph, self.slicing.ops_of(range(*layers)))
+        return self.pieces[layers]
 
     @classmethod
     def build(cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True) -> PipelineProblem:
@@ -192,8 +202,13 @@ def _plan_stage(
     key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
-        piece = subgraph(graph, ops)
-        sg = build_strategy_graph(piece.graph, problem.mesh(submesh, logical, device_ids), argument_kinds=problem.piece_kinds(piece))
+        sg_key = (layers, logical, device_ids)
+        if sg_key not in problem.stage_graphs:
+            piece = problem.piece(layers)
+            problem.stage_graphs[sg_key] = build_strategy_graph(
+                piece.graph, problem.mesh(submesh, logical, device_ids), argument_kinds=problem.piece_kinds(piece)
+            )
+        sg = problem.stage_graphs[sg_key]
         solved = solve_method(sg, method, mine)
         problem.stage_plans[key] = make_plan(
             sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
@@ -462,3 +477,30 @@ def check_memory(stages: Sequence[StageResult], cluster: ClusterSpec) -> None:
             )
     if not all(math.isfinite(st.memory_per_device) for st in stages):
         raise InterOpError("a stage's memory is not finite")
+
+
+def stage_tensor_specs(
+    graph: OpGraph, slicing: ProgramSlicing, stages: Sequence[StageResult], pieces: Sequence[Subgraph] | None = None
+) -> list[dict[int, str]]:
+    """Per stage, the sharding spec every tensor it touches has there (var id -> spec text).
+
+    ``pieces`` are the stages' programs if already cut (``PipelineProblem.piece``).
+
+    A tensor the stage reads but does not compute (an argument of the step, or a tensor from
+    another stage) has the spec of the stage plan's input; a tensor it computes has its
+    producer's output spec. The runtime compiles each stage with these, and the cross-mesh
+    transfers are the moves from the producer stage's spec to a reader stage's.
+    """
+    stage_of_op = slicing.stage_of_ops([st.layers for st in stages])
+    specs_per_stage: list[dict[int, str]] = []
+    for st in stages:
+        by_name = {o.name: o for o in st.plan.ops if o.kind == "op"}
+        piece = pieces[st.index] if pieces else subgraph(graph, [i for i, s in enumerate(stage_of_op) if s == st.index])
+        specs = dict(zip(piece.invars, (t.spec for t in st.plan.inputs)))
+        for i in sorted(set(piece.var_map) - set(piece.invars)):
+            p = graph.vars[i].producer
+            if p is not None and stage_of_op[p] == st.index:
+                op = graph.ops[p]
+                specs[i] = by_name[op.name].output_specs[op.outputs.index(i)]
+        specs_per_stage.append(specs)
+    return specs_per_stage

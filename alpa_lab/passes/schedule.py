@@ -443,6 +443,8 @@ class Timeline:
     peak_unfreed: tuple[int, ...] = ()
     mesh_bubble_fractions: tuple[float, ...] = ()
     mesh_peak_unfreed: tuple[int, ...] = ()
+    transfer_time: float = 0.0
+    """seconds each cross-mesh SEND takes to arrive (the simulation's one transfer time)."""
 
     def run(self, stage: int, phase: str, microbatch: int) -> TimelineRecord:
         """The RUN record of (stage, phase, micro-batch)."""
@@ -615,6 +617,7 @@ def simulate(
         peak_unfreed=tuple(peak_unfreed),
         mesh_bubble_fractions=tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy),
         mesh_peak_unfreed=tuple(mesh_peak_unfreed),
+        transfer_time=transfer_time,
     )
 
 

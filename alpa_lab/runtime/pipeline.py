@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.subgraph import subgraph
-from alpa_lab.passes.pipeline import StageResult
+from alpa_lab.passes.pipeline import StageResult, stage_tensor_specs
 from alpa_lab.passes.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 from alpa_lab.passes.stages import APPLY, ProgramSlicing, weight_gradient_ops
 from alpa_lab.runtime.apply import DeviceError, compile_graph
@@ -76,6 +76,9 @@ class CompiledPipeline:
     plan: Any = None
     """the PipelinePlan this was compiled from (set by ``ParallelizedStep``)."""
     last_timings: dict[str, Any] = field(default_factory=dict)
+    """the last call's seconds, per-task dispatch seconds and (stage, phase, micro-batch, start, end) records."""
+    profile: bool = False
+    """wait for each unit task to finish, so the records are run times, not dispatch times."""
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
@@ -112,17 +115,7 @@ def compile_pipeline(
 
     # the sharding each stage gives every tensor it touches (its plan, by op name and path)
     op_plans = [{o.name: o for o in st.plan.ops if o.kind == "op"} for st in stages]
-    spec: list[dict[int, str]] = []
-    for st in stages:
-        piece = subgraph(graph, [i for i, s in enumerate(stage_of_op) if s == st.index])
-        specs = dict(zip(piece.invars, (t.spec for t in st.plan.inputs)))
-        by_name = op_plans[st.index]
-        for i in sorted(set(piece.var_map) - set(piece.invars)):
-            p = graph.vars[i].producer
-            if p is not None and stage_of_op[p] == st.index:
-                op = graph.ops[p]
-                specs[i] = by_name[op.name].output_specs[op.outputs.index(i)]
-        spec.append(specs)
+    spec = stage_tensor_specs(graph, slicing, stages)
 
     def unit(stage: int, phase: str, ops: list[int]) -> UnitTask:
         piece = subgraph(graph, ops)
@@ -247,6 +240,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     needs, readers = cp.needs, cp.readers
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     stage_seconds = defaultdict(float)
+    records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
     progress = True
     while progress:
         progress = False
@@ -259,7 +253,11 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
                 ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
                 t = time.perf_counter()
                 outs = task.fn(*ins)
-                stage_seconds[(s, phase)] += time.perf_counter() - t
+                if cp.profile:
+                    jax.block_until_ready(outs)
+                end = time.perf_counter()
+                stage_seconds[(s, phase)] += end - t
+                records.append((s, phase, mb, t - t0, end - t0))
                 for v, x in zip(task.outvars, outs):
                     store[(v, mb)] = x
                     left[(v, mb)] = readers.get(v, 0)
@@ -282,7 +280,12 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         step_values[v] = total / M if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact) else store[(v, M - 1)]
     for task in cp.update:
         ins = [fetch(v, -1, task.stage, sh) for v, sh in zip(task.invars, task.in_shardings)]
-        for v, x in zip(task.outvars, task.fn(*ins)):
+        t = time.perf_counter()
+        outs = task.fn(*ins)
+        if cp.profile:
+            jax.block_until_ready(outs)
+        records.append((task.stage, APPLY, -1, t - t0, time.perf_counter() - t0))
+        for v, x in zip(task.outvars, outs):
             step_values[v] = x
     out = []
     for v in graph.outvars:
@@ -295,5 +298,5 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
             out.append(graph.literals[v])
         else:
             out.append(step_values[v])
-    cp.last_timings = {"seconds": time.perf_counter() - t0, "dispatch_seconds": dict(stage_seconds)}
+    cp.last_timings = {"seconds": time.perf_counter() - t0, "dispatch_seconds": dict(stage_seconds), "records": records}
     return out

@@ -1,0 +1,439 @@
+"""The workbench widget: a plan's views and its edit controls in one place.
+
+``Workbench(plan, step)`` shows tabs (overview, sharding, timeline, traffic, strategies,
+changes). Every edit goes through the plan's own methods (``pin``, ``unpin``,
+``pin_stages``, ``with_schedule``), so an edit made with the buttons is exactly the edit
+made in code; the re-solve re-uses whatever the edit did not touch (the plan's caches).
+An edit that fails shows why and keeps the last good plan. ``run`` trains in a background
+thread and streams measured per-stage times into the timeline. Saved notebooks keep a
+static HTML copy of the views (``_repr_mimebundle_``), so they read without the widget.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from alpa_lab.notebook import render, views
+from alpa_lab.plan import PipelinePlan, Plan
+from alpa_lab.passes.schedule import SCHEDULES
+
+__all__ = ["Workbench"]
+
+_RUNTIME_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
+
+
+def _figure(fig: go.Figure) -> W.Widget:
+    return go.FigureWidget(fig)
+
+
+def _parse_ranges(text: str) -> list[list[int]]:
+    """``"0-1, 2-3"`` -> ``[[0, 1], [2, 3]]`` (inclusive layer ranges, as ``pin_stages`` takes)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, _, b = part.partition("-")
+        try:
+            first = int(a)
+            last = int(b) if b else first
+        except ValueError:
+            raise ValueError(f"stage layers {part!r}: write inclusive ranges like '0-1, 2-3'") from None
+        out.append([first, last])
+    if not out:
+        raise ValueError("stage layers are empty: write inclusive ranges like '0-1, 2-3'")
+    return out
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int]] | None:
+    """``"1x4, 1x4"`` -> ``[(1, 4), (1, 4)]``; empty -> None (an even split)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        return None
+    out = []
+    for p in parts:
+        a, _, b = p.lower().partition("x")
+        try:
+            out.append((int(a), int(b)))
+        except ValueError:
+            raise ValueError(f"sub-mesh {p!r}: write shapes like '1x4, 1x4'") from None
+    return out
+
+
+class Workbench(W.VBox):
+    """The plan's views and edit controls. ``plan`` is the current plan; ``history`` the older ones."""
+
+    def __init__(
+        self, plan: Plan | PipelinePlan, step: Any = None, on_change: Callable[[Plan | PipelinePlan], None] | None = None
+    ):
+        """``step`` (a ``ParallelizedStep``) runs the edited plan; ``on_change(plan)`` hears of every new plan."""
+        super().__init__()
+        self.plan = plan
+        self.step = step
+        self.on_change = on_change
+        self.history: list[Plan | PipelinePlan] = []
+        self.changes: list[str] = []
+        self.last_error = ""
+        self.measured: tuple[views.Bar, ...] = ()
+        self.measured_steps: list[float] = []
+        self.result: Any = None
+        self._thread: threading.Thread | None = None
+        self.refresh_seconds = 0.0
+
+        self.title = W.HTML()
+        self.status = W.HTML()
+        # overview
+        self.overview_box = W.VBox()
+        # sharding
+        self.tensor_select = W.Combobox(placeholder="tensor: op name or argument path", ensure_option=True,
+                                        layout=W.Layout(width="60%"))
+        self.tensor_select.observe(lambda _: self._show_tensor(), "value")
+        self.heatmap_box = W.VBox()
+        # timeline
+        self.schedule_select = W.Dropdown(description="schedule", options=sorted(SCHEDULES))
+        self.schedule_select.observe(self._on_schedule, "value")
+        self.trace_path = W.Text(value="alpa_lab_trace.json", description="trace file")
+        self.export_button = W.Button(description="Export Chrome trace", icon="download")
+        self.export_button.on_click(lambda _: self._guard(lambda: self.export_chrome_trace(self.trace_path.value)))
+        self.timeline_box = W.VBox()
+        self.measured_html = W.HTML()
+        # traffic
+        self.traffic_box = W.VBox()
+        self.traffic_cell = W.Dropdown(description="cell", options=[])
+        self.traffic_cell.observe(lambda _: self._show_traffic_cell(), "value")
+        self.traffic_tasks = W.HTML()
+        # strategies
+        self.op_filter = W.Text(placeholder="filter ops by name, label or strategy", description="filter")
+        self.op_filter.observe(lambda _: self._fill_ops(), "value")
+        self.op_select = W.Dropdown(description="op", options=[], layout=W.Layout(width="70%"))
+        self.op_select.observe(lambda _: self._show_op(), "value")
+        self.strategy_select = W.Dropdown(description="strategy", options=[], layout=W.Layout(width="70%"))
+        self.pin_button = W.Button(description="Pin", button_style="primary", icon="thumb-tack")
+        self.pin_button.on_click(lambda _: self.pin(self.op_select.value, self.strategy_select.value))
+        self.unpin_button = W.Button(description="Unpin", icon="unlock")
+        self.unpin_button.on_click(lambda _: self.unpin(self.op_select.value))
+        self.explain_html = W.HTML()
+        self.stage_layers = W.Text(placeholder="0-1, 2-3", description="stage layers")
+        self.stage_submeshes = W.Text(placeholder="1x4, 1x4 (empty: even split)", description="sub-meshes")
+        self.stages_button = W.Button(description="Pin stages", icon="columns")
+        self.stages_button.on_click(lambda _: self._on_pin_stages())
+        self.table_html = W.HTML()
+        # changes
+        self.changes_html = W.HTML()
+        self.undo_button = W.Button(description="Undo last edit", icon="undo")
+        self.undo_button.on_click(lambda _: self.undo())
+
+        self.tabs = W.Tab(children=[
+            self.overview_box,
+            W.VBox([self.tensor_select, self.heatmap_box]),
+            W.VBox([W.HBox([self.schedule_select, self.trace_path, self.export_button]), self.timeline_box, self.measured_html]),
+            W.VBox([self.traffic_box, self.traffic_cell, self.traffic_tasks]),
+            W.VBox([
+                self.op_filter, self.op_select, self.explain_html, W.HBox([self.strategy_select, self.pin_button, self.unpin_button]),
+                W.HBox([self.stage_layers, self.stage_submeshes, self.stages_button]), self.table_html,
+            ]),
+            W.VBox([self.undo_button, self.changes_html]),
+        ])
+        for i, name in enumerate(("Overview", "Sharding", "Timeline", "Traffic", "Strategies", "Changes")):
+            self.tabs.set_title(i, name)
+        self.children = [self.title, self.status, self.tabs]
+        self.refresh()
+
+    # ----- views -----------------------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        return isinstance(self.plan, PipelinePlan)
+
+    def refresh(self) -> None:
+        """Redraw every view from the current plan."""
+        t0 = time.perf_counter()
+        plan = self.plan
+        ov = views.overview(plan)
+        kind = f"{plan.num_stages} stages, {plan.schedule}" if self.pipelined else f"mesh {plan.mesh_shape[0]}x{plan.mesh_shape[1]}"
+        self.title.value = (
+            f"<b>alpa_lab plan</b> ({html.escape(plan.method)}, {kind}): predicted step "
+            f"{plan.estimated_step_time * 1e3:.3f} ms, memory/device {render._fmt_bytes(plan.memory_per_device)}"
+        )
+        self.overview_box.children = [_figure(render.overview_figure(ov))]
+        self._tensors = views.tensors(plan)
+        names = sorted(self._tensors)
+        self.tensor_select.options = names
+        if self.tensor_select.value not in self._tensors:
+            self.tensor_select.value = next((n for n in names if not n.startswith("[")), names[0] if names else "")
+        self._show_tensor()
+        if self.pipelined:
+            if self.schedule_select.value != plan.schedule:
+                self._setting_schedule = True
+                self.schedule_select.value = plan.schedule
+                self._setting_schedule = False
+        self._draw_timeline()
+        self._draw_traffic()
+        self._rows = views.strategy_rows(plan)
+        self.table_html.value = render.strategy_html(views.collapse_repeated(self._rows))
+        self._fill_ops()
+        self.changes_html.value = "<br>".join(f"<pre>{html.escape(c)}</pre>" for c in reversed(self.changes)) or "no edits yet"
+        self.refresh_seconds = time.perf_counter() - t0
+
+    def _show_tensor(self) -> None:
+        name = self.tensor_select.value
+        if name not in self._tensors:
+            self.heatmap_box.children = []
+            return
+        info = views.tensor_info(self.plan, name, self._tensors)
+        self.heatmap_box.children = [_figure(render.heatmap_figure(info, views.sharding_tiles(info)))]
+
+    def timeline_bars(self) -> tuple[views.Bar, ...]:
+        """Predicted bars, then the measured ones of the last run (if any)."""
+        return (views.timeline_bars(self.plan) if self.pipelined else ()) + self.measured
+
+    def _draw_timeline(self) -> None:
+        bars = self.timeline_bars()
+        if not bars:
+            self.timeline_box.children = [W.HTML("single-mesh plan: no pipeline timeline (plan with microbatches=)")]
+        else:  # predicted and measured apart: each on its own time scale
+            schedule = f"{self.plan.schedule}, {self.plan.num_microbatches} micro-batches" if self.pipelined else ""
+            self.timeline_box.children = [
+                _figure(render.timeline_figure(part, f"{source}: {schedule}"))
+                for source in ("predicted", "measured")
+                if (part := [b for b in bars if b.source == source])
+            ]
+        self.measured_html.value = self._measured_table()
+
+    def _measured_table(self) -> str:
+        if not self.measured_steps:
+            return "<i>run the step (workbench.run(state, batch)) to see measured times next to the predicted ones</i>"
+        rows = []
+        per_stage: dict[int, float] = {}
+        for b in self.measured:
+            per_stage[b.stage] = per_stage.get(b.stage, 0.0) + b.end - b.start
+        for st in (self.plan.stages if self.pipelined else ()):
+            predicted = self.plan.num_microbatches * (st.forward_time + st.backward_time) + st.apply_time
+            rows.append([str(st.index), render._ms(predicted), render._ms(per_stage.get(st.index, 0.0))])
+        steady = sorted(self.measured_steps[1:] or self.measured_steps)  # the first step compiles
+        median = f"{render._ms(steady[len(steady) // 2])} (median of {len(steady)}; first step with compiling "
+        rows.append(["step", render._ms(self.plan.estimated_step_time), median + f"{render._ms(self.measured_steps[0])})"])
+        return "<b>measured against predicted</b>" + render._table(["stage", "predicted", "measured (last step)"], rows)
+
+    def _draw_traffic(self) -> None:
+        if not self.pipelined:
+            self.traffic_box.children = [W.HTML("single-mesh plan: no cross-mesh traffic")]
+            self.traffic_cell.options = []
+            return
+        tr = views.traffic(self.plan)
+        self._traffic = tr
+        meshes = [f"mesh {i}" for i in range(len(tr.mesh_bytes))]
+        hosts = [f"host {i}" for i in range(len(tr.host_bytes))]
+        self.traffic_box.children = [
+            _figure(render.traffic_figure(tr.mesh_bytes, meshes, "bytes per step between meshes")),
+            _figure(render.traffic_figure(tr.host_bytes, hosts, "bytes per step between hosts")),
+        ]
+        self.traffic_cell.options = [(f"mesh {a} -> mesh {b}: {render._fmt_bytes(tr.mesh_bytes[a][b])}", (a, b)) for a, b in tr.cells]
+        self._show_traffic_cell()
+
+    def _show_traffic_cell(self) -> None:
+        cell = self.traffic_cell.value
+        if not self.pipelined or cell is None:
+            self.traffic_tasks.value = ""
+            return
+        self.traffic_tasks.value = render.traffic_cell_html(self._traffic, cell)
+
+    def _fill_ops(self) -> None:
+        text = self.op_filter.value.strip().lower()
+        rows = [r for r in self._rows if not text or text in r.name.lower() or text in r.label.lower() or text in r.strategy.lower()]
+        options = [
+            (f"stage {r.stage}" + ("" if r.layer is None else f" / layer {r.layer}") + f" / {r.name}: {r.strategy}"
+             + (" (pinned)" if r.pinned else ""), r.name)
+            for r in rows[:2000]
+        ]
+        current = self.op_select.value
+        self.op_select.options = options
+        values = [v for _, v in options]
+        self.op_select.value = current if current in values else (values[0] if values else None)
+        self._show_op()
+
+    def _stage_plan_of(self, op: str) -> Plan:
+        return self.plan.stages[self.plan.stage_of(op)].plan if self.pipelined else self.plan
+
+    def _show_op(self) -> None:
+        op = self.op_select.value
+        if not op:
+            self.strategy_select.options = []
+            self.explain_html.value = ""
+            return
+        sp = self._stage_plan_of(op)
+        if sp.problem is None:
+            self.explain_html.value = "<i>no planner state (a loaded plan): re-plan it with its step to edit</i>"
+            return
+        ex = sp.explain(op)
+        alts = sorted(ex.alternatives, key=lambda a: a.total)
+        self.strategy_select.options = [
+            (f"{a.strategy}  ({a.total * 1e6:.2f} us{', chosen' if a.chosen else ''})", a.strategy) for a in alts
+        ]
+        self.strategy_select.value = ex.op.strategy
+        self.explain_html.value = f"<pre>{html.escape(str(ex))}</pre>"
+        if op in self._tensors:
+            self.tensor_select.value = op
+
+    # ----- edits -----------------------------------------------------------------------
+    def _guard(self, action: Callable[[], Any]) -> bool:
+        try:
+            action()
+        except (ValueError, KeyError, OSError) as err:
+            return self._refuse(str(err))
+        return True
+
+    def _refuse(self, message: str) -> bool:
+        self.last_error = message
+        self.status.value = f'<span style="color:#c00">&#9888; {html.escape(message)} (the plan is unchanged)</span>'
+        return False
+
+    def _edit(self, what: str, make: Callable[[Plan | PipelinePlan], Plan | PipelinePlan]) -> bool:
+        """Apply an edit; on failure keep the current plan and show why."""
+        old = self.plan
+        t0 = time.perf_counter()
+        result: list[Any] = []
+        if not self._guard(lambda: result.append(make(old))):
+            return False
+        new = result[0]
+        solve = time.perf_counter() - t0
+        self.history.append(old)
+        self._make_current(new)
+        d = new.diff(old)
+        self.changes.append(f"{what}\n{d}")
+        self.last_error = ""
+        self.refresh()
+        self.status.value = (
+            f'<span style="color:#070">{html.escape(what)}: predicted step {old.estimated_step_time * 1e3:.3f} ms -> '
+            f"{new.estimated_step_time * 1e3:.3f} ms (re-solved in {solve:.2f} s, views in {self.refresh_seconds:.2f} s)</span>"
+        )
+        return True
+
+    def _make_current(self, plan: Plan | PipelinePlan) -> None:
+        self.plan = plan
+        if self.step is not None:
+            self.step.current_plan = plan  # calling the step now runs this plan
+        if self.on_change is not None:
+            self.on_change(plan)
+
+    def pin(self, op: str, strategy: str) -> bool:
+        """Fix ``op`` to ``strategy`` and re-solve (only its stage, for a pipeline plan)."""
+        return self._edit(f"pin {op} = {strategy!r}", lambda p: p.pin(op, strategy))
+
+    def unpin(self, op: str) -> bool:
+        return self._edit(f"unpin {op}", lambda p: p.unpin(op))
+
+    def pin_stages(self, layers: Sequence[Sequence[int]], submeshes: Sequence[tuple[int, int]] | None = None) -> bool:
+        """Fix the stage boundaries (inclusive layer ranges) and, optionally, each stage's sub-mesh."""
+        if not self.pipelined:
+            return self._refuse("a single-mesh plan has no stages to pin; plan the step with microbatches= to pipeline it")
+        return self._edit(f"pin stages {list(map(list, layers))}", lambda p: p.pin_stages(layers, submeshes))
+
+    def set_schedule(self, schedule: str) -> bool:
+        if not self.pipelined:
+            return self._refuse("a single-mesh plan has no pipeline schedule; plan the step with microbatches= to pipeline it")
+        return self._edit(f"schedule {schedule}", lambda p: p.with_schedule(schedule))
+
+    def undo(self) -> bool:
+        if not self.history:
+            return self._refuse("nothing to undo")
+        self._make_current(self.history.pop())
+        self.changes.append("undo")
+        self.refresh()
+        self.status.value = "undone"
+        return True
+
+    def _on_schedule(self, change: dict) -> None:
+        if getattr(self, "_setting_schedule", False) or not self.pipelined or change["new"] == self.plan.schedule:
+            return
+        if not self.set_schedule(change["new"]):
+            self._setting_schedule = True
+            self.schedule_select.value = self.plan.schedule
+            self._setting_schedule = False
+
+    def _on_pin_stages(self) -> None:
+        def parse() -> None:
+            self._pending = (_parse_ranges(self.stage_layers.value), _parse_shapes(self.stage_submeshes.value))
+
+        if self._guard(parse):
+            self.pin_stages(*self._pending)
+
+    # ----- running ---------------------------------------------------------------------
+    def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> threading.Thread:
+        """Train ``steps`` steps in a background thread, streaming measured times into the timeline.
+
+        ``args`` are the step's arguments; after each step ``update(result)`` gives the next
+        arguments (default: the result's first element replaces the first argument, as in
+        ``state, loss = step(state, batch)``). The final result is ``self.result``. A failure
+        is shown and keeps the plan and the last good state.
+        """
+        if self.step is None:
+            raise ValueError("this workbench has no step to run: make it with Workbench(plan, step)")
+        if self._thread is not None and self._thread.is_alive():
+            raise ValueError("a run is already in progress; wait for it (workbench.wait())")
+        update = update or (lambda res: (res[0], *args[1:]))
+
+        def work() -> None:
+            current = args
+            try:
+                compiled = self.step.compiled(*current)
+                compiled.profile = True
+                for i in range(steps):
+                    t0 = time.perf_counter()
+                    res = self.step(*current)
+                    import jax
+
+                    jax.block_until_ready(res)
+                    self.measured_steps.append(time.perf_counter() - t0)
+                    records = getattr(compiled, "last_timings", {}).get("records", ())
+                    if records:
+                        self.measured = views.measured_bars(records)
+                    self.result = res
+                    current = update(res)
+                    self.status.value = f"step {i + 1}/{steps}: {self.measured_steps[-1] * 1e3:.1f} ms"
+                    self._draw_timeline()
+            except Exception as err:  # noqa: BLE001 - shown to the user; the plan and state stay
+                self.last_error = f"{type(err).__name__}: {err}"
+                self.status.value = f'<span style="color:#c00">run failed: {html.escape(self.last_error)} (plan and last state kept)</span>'
+            finally:
+                if hasattr(self.step, "_compiled") and self.step._compiled is not None:
+                    self.step._compiled.profile = False
+
+        self._thread = threading.Thread(target=work, name="alpa_lab-run", daemon=True)
+        self._thread.start()
+        if block:
+            self._thread.join()
+        return self._thread
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the background run; returns its last result."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.result
+
+    # ----- export ----------------------------------------------------------------------
+    def export_chrome_trace(self, path: str | Path) -> Path:
+        """Write the timeline (predicted and measured) as Chrome trace JSON; Perfetto opens it."""
+        path = Path(path)
+        path.write_text(json.dumps(views.chrome_trace(self.timeline_bars())))
+        self.status.value = f"wrote {html.escape(str(path))}"
+        return path
+
+    def to_html(self) -> str:
+        """The views as static HTML (no JavaScript)."""
+        traffic = render.traffic_html(views.traffic(self.plan)) if self.pipelined else ""
+        return render.static_html(
+            views.overview(self.plan), self.timeline_bars(), views.collapse_repeated(views.strategy_rows(self.plan)), traffic
+        )
+
+    def __repr__(self) -> str:
+        return self.plan.summary()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        bundle["text/html"] = self.to_html()
+        return bundle

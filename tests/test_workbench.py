@@ -1,0 +1,279 @@
+"""The workbench's views and widget (issue 4), checked for content, without a browser.
+
+Oracles: JAX's own ``devices_indices_map`` for the heatmap tiles, the schedule's instruction
+lists for the timeline bars, the cross-mesh unit tasks for the traffic matrix, and the plan's
+own ``pin``/``with_schedule``/``pin_stages`` for edits made through the widget's controls.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+
+import alpa_lab as al
+from alpa_lab.models import tiny_example
+from alpa_lab.notebook import views
+from alpa_lab.notebook.workbench import Workbench
+from alpa_lab.passes.schedule import make_schedule
+from alpa_lab.passes.transfers import pipeline_transfers
+from alpa_lab.sharding.spec import ShardingSpec
+
+LOCAL = al.ClusterSpec.local(hosts=2, devices_per_host=4)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=LOCAL, microbatches=4, layers=4)
+    plan = step.plan(ex.state, ex.batch)
+    plan = plan.pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)])
+    step.current_plan = plan
+    return ex, step, plan
+
+
+@pytest.fixture(scope="module")
+def mlp_single():
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4))
+    return ex, step, step.plan(ex.state, ex.batch)
+
+
+# ----- views: content against independent oracles ---------------------------------------------
+
+
+def test_heatmap_tiles_match_jax_shards(gpt):
+    _, _, plan = gpt
+    names = views.tensors(plan)
+    assert any(not n.startswith("[") for n in names), "op outputs are listed, not only arguments"
+    devices = jax.devices()
+    checked = 0
+    for name in names:
+        info = views.tensor_info(plan, name, names)
+        assert info.stage == names[name]
+        if not info.shape or ShardingSpec.parse(info.spec).replication(info.mesh_shape) == np.prod(info.mesh_shape):
+            continue
+        mesh = Mesh(np.array([devices[d] for d in info.device_ids]).reshape(info.mesh_shape), ("x", "y"))
+        sharding = NamedSharding(mesh, ShardingSpec.parse(info.spec).to_partition_spec())
+        shards = sharding.devices_indices_map(info.shape)
+        expected = {d.id: tuple(s.indices(n)[:2] for s, n in zip(idx, info.shape)) for d, idx in shards.items()}
+        tiles = views.sharding_tiles(info)
+        assert {t.device: t.region for t in tiles} == expected, info.name
+        # copies of one tile are numbered 0, 1, ...; devices holding equal regions share a tile index
+        by_index: dict = {}
+        for t in tiles:
+            by_index.setdefault(t.tile_index, []).append(t)
+        for group in by_index.values():
+            assert sorted(t.replica for t in group) == list(range(len(group)))
+            assert len({t.region for t in group}) == 1
+        checked += 1
+        if checked >= 40:
+            break
+    assert checked >= 5
+
+
+def test_timeline_bars_match_the_schedule(gpt):
+    _, _, plan = gpt
+    bars = views.timeline_bars(plan)
+    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+    for mesh, program in enumerate(sched.instructions):
+        runs = [(i.stage, i.phase, i.microbatch) for i in program if i.kind == "RUN"]
+        mine = sorted((b for b in bars if b.kind == "RUN" and b.mesh == mesh), key=lambda b: b.start)
+        assert [(b.stage, b.phase, b.microbatch) for b in mine] == runs
+        for b in mine:
+            st = plan.stages[b.stage]
+            want = st.forward_time if b.phase == "forward" else st.backward_time
+            assert b.end - b.start == pytest.approx(want, rel=1e-9)
+        recvs = [(i.stage, i.phase, i.microbatch) for i in program if i.kind == "RECV"]
+        transfers = [(b.stage, b.phase, b.microbatch) for b in bars if b.kind == "TRANSFER" and b.mesh == mesh]
+        assert sorted(transfers) == sorted(recvs)
+    assert {b.stage for b in bars if b.kind == "UPDATE"} == {st.index for st in plan.stages if st.apply_time > 0}
+
+
+def test_chrome_trace_has_one_event_per_bar(gpt, tmp_path):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    path = wb.export_chrome_trace(tmp_path / "trace.json")
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    bars = wb.timeline_bars()
+    assert len(spans) == len(bars)
+    for e, b in zip(spans, bars):
+        assert e["ts"] == pytest.approx(b.start * 1e6) and e["dur"] == pytest.approx((b.end - b.start) * 1e6)
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} >= {"mesh 0", "mesh 1"}
+
+
+def test_traffic_matrix_sums_to_the_unit_tasks(gpt):
+    _, _, plan = gpt
+    tr = views.traffic(plan)
+    moves = pipeline_transfers(plan)
+    M = plan.num_microbatches
+    # independent sum: every unit task's bytes, once per receiver that does not already hold it
+    expected = np.zeros((plan.num_stages, plan.num_stages))
+    for t in moves:
+        times = 1 if t.phase == "apply" else M
+        for u in t.resharding.tasks:
+            expected[t.src_stage, t.dst_stage] += times * u.nbytes * sum(1 for s, r in u.assignment if s != r)
+    assert np.array_equal(np.array(tr.mesh_bytes), expected)
+    assert expected.sum() > 0 and expected[0, 1] > 0 and expected[1, 0] > 0  # activations forward, gradients back
+    assert np.array(tr.host_bytes).sum() == expected.sum()
+    assert set(tr.cells) == {(t.src_stage, t.dst_stage) for t in moves}
+
+
+def test_overview_adds_up(gpt):
+    _, _, plan = gpt
+    ov = views.overview(plan)
+    for st, row in zip(plan.stages, ov.stages):
+        assert row.compute + row.communication + row.bubble == pytest.approx(plan.timeline.makespan, rel=1e-9)
+        assert row.memory == st.memory_per_device and row.capacity == LOCAL.device_memory
+        for d in st.device_ids:
+            assert ov.device_stage[d // LOCAL.devices_per_host][d % LOCAL.devices_per_host] == st.index
+    assert ov.step_time == plan.estimated_step_time
+
+
+def test_strategy_rows_and_collapsed_blocks(gpt):
+    _, _, plan = gpt
+    rows = views.strategy_rows(plan)
+    assert [(r.stage, r.name) for r in rows] == [(st.index, o.name) for st in plan.stages for o in st.plan.ops]
+    layer = {op.name: plan.problem.slicing.layer[op.index] for op in plan.problem.graph.ops}
+    assert all(r.layer == layer[r.name] for r in rows if r.kind == "op")
+    assert views.block_of("transpose(jvp(TransformerLM/Block_3/Attention_0/_where))") == "TransformerLM/Block_3"
+    assert views.block_of("jvp(MLP/Dense_1)") == "MLP/Dense_1" and views.block_of("jvp()") == ""
+    groups = views.collapse_repeated(rows)
+    sig = {}
+    for r in rows:
+        sig.setdefault((r.stage, r.block), []).append((r.primitive, r.strategy))
+    shown = sum(len(g.rows) for g in groups)
+    hidden = sum(len(sig[(g.stage, b)]) for g in groups for b in g.repeats)
+    assert shown + hidden == len(rows)
+    for g in groups:
+        for b in g.repeats:
+            assert sig[(g.stage, b)] == [(r.primitive, r.strategy) for r in g.rows]
+
+
+# ----- the widget: edits through its controls are the plan's own edits ------------------------------
+
+
+def _strategies(plan):
+    return [(o.name, o.strategy) for sp in views.stage_plans(plan) for o in sp.ops]
+
+
+def test_pin_through_the_widget_equals_plan_pin(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    op = next(o for o in plan.stages[1].plan.ops if o.kind == "op" and o.primitive == "dot_general" and o.num_strategies > 2)
+    other = next(a.strategy for a in plan.stages[1].plan.explain(op.name).alternatives if not a.chosen)
+    wb.op_select.value = op.name
+    assert wb.strategy_select.value == op.strategy  # the current choice is preselected
+    wb.strategy_select.value = other
+    wb.pin_button.click()
+    expected = plan.pin(op.name, other)
+    assert wb.last_error == ""
+    assert _strategies(wb.plan) == _strategies(expected)
+    assert wb.plan.estimated_step_time == pytest.approx(expected.estimated_step_time)
+    assert step.current_plan is wb.plan and wb.history == [plan]
+    assert op.name in wb.changes[-1] and "stage 1" in wb.changes[-1]
+    assert f"{op.name}: {op.strategy} -> {other}" in wb.changes[-1]
+    wb.unpin_button.click()
+    assert _strategies(wb.plan) == _strategies(plan)
+    assert wb.undo() and wb.undo() and wb.plan is plan
+    step.current_plan = plan
+
+
+def test_conflicting_edits_keep_the_last_good_plan(gpt):
+    _, step, plan = gpt
+    bound = []
+    wb = Workbench(plan, step, on_change=bound.append)
+    # a merged op (it follows its leader's layout) and its leader, pinned in ways that clash
+    sp = plan.stages[0].plan
+    sg = sp.problem
+    merged = next(
+        o for o in sp.ops
+        if o.merged_into != o.name and len(set(map(int, sg.member_map[sg.node_index(o.name)]))) > 1
+    )
+    n, lead = sg.node_index(merged.name), sg.node_index(merged.merged_into)
+    leader_strategy = sg.nodes[lead].strategies[int(sg.member_map[lead][0])].name
+    forced = int(sg.member_map[n][0])
+    clash = next(sg.nodes[n].strategies[j].name for j in set(map(int, sg.member_map[n])) if j != forced)
+    assert wb.pin(merged.merged_into, leader_strategy)
+    good = wb.plan
+    assert not wb.pin(merged.name, clash)
+    assert wb.plan is good and "cannot hold together" in wb.last_error and merged.name in wb.last_error
+    assert "unchanged" in wb.status.value
+    for bad in ("0-1, 3-3", "zero-one", ""):
+        wb.stage_layers.value, wb.stage_submeshes.value = bad, ""
+        wb.stages_button.click()
+        assert wb.plan is good and wb.last_error
+    assert not wb.pin("no_such_op", "RR") and "no_such_op" in wb.last_error and wb.plan is good
+    assert not wb.pin(merged.merged_into, "not a strategy") and wb.plan is good
+    wb.schedule_select.value = "interleaved_1f1b"  # stage plans cannot take it: refused, dropdown reset
+    assert wb.plan is good and wb.schedule_select.value == plan.schedule and wb.last_error
+    assert bound == [good] and step.current_plan is good
+    step.current_plan = plan
+
+
+def test_boundary_move_and_schedule_switch(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    wb.stage_layers.value, wb.stage_submeshes.value = "0-2, 3-3", "1x4, 1x4"
+    wb.stages_button.click()
+    expected = plan.pin_stages([[0, 2], [3, 3]], submeshes=[(1, 4), (1, 4)])
+    assert [st.layers for st in wb.plan.stages] == [(0, 3), (3, 4)] and _strategies(wb.plan) == _strategies(expected)
+    assert "layers 0..1" in wb.changes[-1] and "layers 0..2" in wb.changes[-1]
+    wb.schedule_select.value = "gpipe"
+    assert wb.plan.schedule == "gpipe"
+    assert wb.plan.estimated_step_time == pytest.approx(expected.with_schedule("gpipe").estimated_step_time)
+    assert "schedule 1f1b -> gpipe" in wb.changes[-1]
+    step.current_plan = plan
+
+
+def test_run_streams_measured_times_and_failures_keep_state(gpt):
+    ex, step, plan = gpt
+    wb = Workbench(plan, step)
+    wb.run(ex.state, ex.batch, steps=2, block=True)
+    assert wb.last_error == "" and len(wb.measured_steps) == 2
+    state, loss = wb.result
+    assert np.isfinite(float(loss))
+    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+    runs = {(i.stage, i.phase, i.microbatch) for prog in sched.instructions for i in prog if i.kind == "RUN"}
+    assert {(b.stage, b.phase, b.microbatch) for b in wb.measured if b.kind == "RUN"} == runs
+    assert all(b.end >= b.start >= 0 for b in wb.measured)
+    assert "measured against predicted" in wb.measured_html.value
+    assert any(b.source == "measured" for b in wb.timeline_bars())
+    # a failing run (a batch the micro-batches do not divide) keeps the plan and the last result
+    bad = jax.tree_util.tree_map(lambda x: x[:3], ex.batch)
+    wb.run(state, bad, steps=1, block=True)
+    assert wb.plan is plan and "run failed" in wb.status.value and wb.result[0] is state
+    with pytest.raises(ValueError, match="no step"):
+        Workbench(plan).run(ex.state, ex.batch)
+
+
+def test_static_html_for_saved_notebooks(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    bundle = wb._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    page = bundle["text/html"]
+    assert "<script" not in page
+    assert page.count("<rect") == len(wb.timeline_bars())
+    for st in plan.stages:
+        assert f"{st.submesh_shape[0]}x{st.submesh_shape[1]}" in page
+    assert "resharding traffic" in page and "Pipeline plan" in bundle["text/plain"]
+
+
+def test_single_mesh_plan(mlp_single):
+    _, step, plan = mlp_single
+    wb = Workbench(plan, step)
+    op = next(o for o in plan.ops if o.kind == "op" and o.num_strategies > 1)
+    other = next(a.strategy for a in plan.explain(op.name).alternatives if not a.chosen)
+    wb.op_select.value = op.name
+    wb.strategy_select.value = other
+    wb.pin_button.click()
+    assert _strategies(wb.plan) == _strategies(plan.pin(op.name, other))
+    assert f"{op.name}: {op.strategy} -> {other}" in wb.changes[-1]
+    assert not wb.pin_stages([[0, 0]]) and "single-mesh" in wb.last_error
+    assert views.overview(plan).stages[0].bubble == 0 and "<svg" not in wb.to_html()
+    step.current_plan = plan
