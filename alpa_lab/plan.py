@@ -732,6 +732,19 @@ class PipelinePlan:
         stages = fixed_stages(self._require_problem(), layers, submeshes, logical_shapes)
         return self._replan(stages, dict(self.pins), True)
 
+    def unpin_stages(self) -> PipelinePlan:
+        """A new plan whose stages the DP chooses again (layer costs come from the cache); op pins are kept."""
+        from alpa_lab.cost.cluster import ClusterSpec
+        from alpa_lab.passes.pipeline import plan_pipeline
+
+        problem = self._require_problem()
+        _, stages, _ = plan_pipeline(
+            problem.graph, ClusterSpec(**self.cluster), num_microbatches=self.num_microbatches, schedule=self.schedule,
+            method=self.method, problem=problem,
+        )
+        chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
+        return self._replan(chosen, dict(self.pins), False)
+
     def pin(self, op: str, strategy: str) -> PipelinePlan:
         """A new plan with ``op`` fixed to ``strategy``; only ``op``'s stage is re-solved."""
         self.stage_of(op)  # a clear error for an unknown name

@@ -277,3 +277,28 @@ def test_single_mesh_plan(mlp_single):
     assert not wb.pin_stages([[0, 0]]) and "single-mesh" in wb.last_error
     assert views.overview(plan).stages[0].bubble == 0 and "<svg" not in wb.to_html()
     step.current_plan = plan
+
+
+def test_unpin_stages_lets_the_dp_choose_again(gpt):
+    ex, step, plan = gpt
+    wb = Workbench(plan, step)
+    assert wb.plan.stage_pins
+    wb.unpin_stages_button.click()
+    assert wb.last_error == "" and not wb.plan.stage_pins
+    dp = step.plan(ex.state, ex.batch)  # the DP's own choice, as planned without the workbench
+    assert [(st.layers, st.submesh_shape, st.logical_shape) for st in wb.plan.stages] == [
+        (st.layers, st.submesh_shape, st.logical_shape) for st in dp.stages
+    ]
+    assert _strategies(wb.plan) == _strategies(dp)
+    step.current_plan = plan
+
+
+def test_filter_narrows_the_picker_and_the_table(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    wb.op_filter.value = "dot_general"
+    names = [v for _, v in wb.op_select.options]
+    assert names and all("dot_general" in n for n in names)
+    assert f"{len(names)} of {len(views.strategy_rows(plan))}" in wb.table_html.value
+    wb.op_filter.value = "no op has this"
+    assert wb.op_select.options == () and wb.op_select.value is None

@@ -252,20 +252,24 @@ def timeline_svg(bars: Sequence[Bar], width: int = 900) -> str:
 
 
 def strategy_html(groups: Sequence[RowGroup], max_rows: int = 200) -> str:
+    """The strategy table, blocks that repeat an earlier one folded into it; at most ``max_rows`` op rows."""
     rows = []
+    total = sum(len(g.rows) for g in groups)
+    shown = 0
     for g in groups:
+        if shown >= max_rows:
+            break
         if g.repeats:
-            rows.append([f"<b>{html.escape(g.block)}</b>", "", "", f"<i>same as {len(g.repeats)} more: "
-                         f"{html.escape(', '.join(g.repeats[:4]))}{' ...' if len(g.repeats) > 4 else ''}</i>", "", ""])
-        for r in g.rows:
-            if len(rows) >= max_rows:
-                break
-            rows.append([
-                str(r.stage), "" if r.layer is None else str(r.layer), html.escape(r.name), html.escape(r.strategy),
-                f"{r.cost * 1e6:.2f} us", ("pinned" if r.pinned else "") + (f" follows {html.escape(r.merged_into)}"
-                                                                             if r.merged_into and r.merged_into != r.name else ""),
-            ])
-    return _table(["stage", "layer", "op", "strategy", "cost", "note"], rows)
+            names = ", ".join(g.repeats[:4]) + (" ..." if len(g.repeats) > 4 else "")
+            rows.append([str(g.stage), "", f"<b>{html.escape(g.block)}</b>",
+                         f"<i>also stands for {len(g.repeats)} more with the same strategies: {html.escape(names)}</i>", "", ""])
+        for r in g.rows[: max_rows - shown]:
+            note = ("pinned" if r.pinned else "") + (f" follows {html.escape(r.merged_into)}" if r.merged_into not in ("", r.name) else "")
+            layer = "" if r.layer is None else str(r.layer)
+            rows.append([str(r.stage), layer, html.escape(r.name), html.escape(r.strategy), f"{r.cost * 1e6:.2f} us", note])
+        shown += min(len(g.rows), max_rows - shown)
+    more = f"<i>... {total - shown} more rows: narrow the filter</i>" if total > shown else ""
+    return _table(["stage", "layer", "op", "strategy", "cost", "note"], rows) + more
 
 
 def static_html(ov: Overview, bars: Sequence[Bar], groups: Sequence[RowGroup], traffic: str = "") -> str:

@@ -122,6 +122,8 @@ class Workbench(W.VBox):
         self.stage_submeshes = W.Text(placeholder="1x4, 1x4 (empty: even split)", description="sub-meshes")
         self.stages_button = W.Button(description="Pin stages", icon="columns")
         self.stages_button.on_click(lambda _: self._on_pin_stages())
+        self.unpin_stages_button = W.Button(description="Unpin stages", icon="random", tooltip="let the stage DP choose again")
+        self.unpin_stages_button.on_click(lambda _: self.unpin_stages())
         self.table_html = W.HTML()
         # changes
         self.changes_html = W.HTML()
@@ -135,7 +137,7 @@ class Workbench(W.VBox):
             W.VBox([self.traffic_box, self.traffic_cell, self.traffic_tasks]),
             W.VBox([
                 self.op_filter, self.op_select, self.explain_html, W.HBox([self.strategy_select, self.pin_button, self.unpin_button]),
-                W.HBox([self.stage_layers, self.stage_submeshes, self.stages_button]), self.table_html,
+                W.HBox([self.stage_layers, self.stage_submeshes, self.stages_button, self.unpin_stages_button]), self.table_html,
             ]),
             W.VBox([self.undo_button, self.changes_html]),
         ])
@@ -174,7 +176,6 @@ class Workbench(W.VBox):
         self._draw_timeline()
         self._draw_traffic()
         self._rows = views.strategy_rows(plan)
-        self.table_html.value = render.strategy_html(views.collapse_repeated(self._rows))
         self._fill_ops()
         self.changes_html.value = "<br>".join(f"<pre>{html.escape(c)}</pre>" for c in reversed(self.changes)) or "no edits yet"
         self.refresh_seconds = time.perf_counter() - t0
@@ -243,8 +244,11 @@ class Workbench(W.VBox):
         self.traffic_tasks.value = render.traffic_cell_html(self._traffic, cell)
 
     def _fill_ops(self) -> None:
+        """The op picker and the table, narrowed to ops whose name, label or strategy has the filter text."""
         text = self.op_filter.value.strip().lower()
         rows = [r for r in self._rows if not text or text in r.name.lower() or text in r.label.lower() or text in r.strategy.lower()]
+        note = f"<i>{len(rows)} of {len(self._rows)} ops and arguments" + (f" match {html.escape(text)!r}" if text else "") + "</i>"
+        self.table_html.value = note + render.strategy_html(views.collapse_repeated(rows))
         options = [
             (f"stage {r.stage}" + ("" if r.layer is None else f" / layer {r.layer}") + f" / {r.name}: {r.strategy}"
              + (" (pinned)" if r.pinned else ""), r.name)
@@ -332,6 +336,12 @@ class Workbench(W.VBox):
         if not self.pipelined:
             return self._refuse("a single-mesh plan has no stages to pin; plan the step with microbatches= to pipeline it")
         return self._edit(f"pin stages {list(map(list, layers))}", lambda p: p.pin_stages(layers, submeshes))
+
+    def unpin_stages(self) -> bool:
+        """Let the stage DP choose boundaries and sub-meshes again (cached layer costs; op pins kept)."""
+        if not self.pipelined:
+            return self._refuse("a single-mesh plan has no stages to unpin")
+        return self._edit("unpin stages (stage DP)", lambda p: p.unpin_stages())
 
     def set_schedule(self, schedule: str) -> bool:
         if not self.pipelined:
