@@ -62,3 +62,8 @@ def load_ipython_extension(ipython):  # noqa: ANN001, ANN201 (IPython's hook)
     from alpa_lab.notebook.magic import load_ipython_extension as load
 
     load(ipython)
+
+
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """The JupyterLab extension built from ``labextension/`` (linked by ``make labextension``)."""
+    return [{"src": "labextension", "dest": "alpa-lab"}]
