@@ -321,6 +321,26 @@ def test_starter_runs_in_the_kernel_and_shows_the_plan(page, lab):
     assert all(c["count"] is not None for c in cells if c["type"] == "code"), _describe(cells)
     assert "step 2: loss" in json.dumps([c["outputs"] for c in cells]), _describe(cells)
 
+    # The workbench widget is drawn (tabs, a plotly figure), and a pin made in the browser re-solves the plan.
+    out = pg.locator(".jp-Notebook .jp-Cell").nth(magic).locator(".jp-OutputArea")
+    for title in ("Overview", "Sharding", "Timeline", "Traffic", "Strategies", "Changes"):
+        out.locator(".lm-TabBar-tab", has_text=title).first.wait_for(state="visible")
+    out.locator(".js-plotly-plot").first.wait_for(state="visible")
+    out.locator(".lm-TabBar-tab", has_text="Strategies").first.click()
+    out.locator(".widget-text", has=pg.locator("label", has_text="filter")).locator("input").fill("dot_general")
+    op = out.locator(".widget-dropdown", has=pg.locator("label", has_text="op")).locator("select").first
+    pg.wait_for_function("(sel) => sel.options.length > 0 && sel.value !== ''", arg=op.element_handle())
+    assert all("dot_general" in o for o in op.locator("option").all_inner_texts())
+    strategy = out.locator(".widget-dropdown", has=pg.locator("label", has_text="strategy")).locator("select").first
+    pg.wait_for_function("(sel) => sel.options.length > 1", arg=strategy.element_handle())
+    other = next(o for o in strategy.locator("option").all_inner_texts() if ", chosen" not in o)
+    strategy.select_option(label=other)
+    out.locator("button", has_text="Pin").first.click()
+    pg.wait_for_function("(el) => el.innerText.includes('re-solved in')", arg=out.element_handle(), timeout=60_000)
+    out.locator(".lm-TabBar-tab", has_text="Changes").first.click()
+    pg.wait_for_function("(el) => el.innerText.includes('ops changed strategy')", arg=out.element_handle())
+    assert f"= {other.split()[0]!r}" in out.inner_text() or other.split()[0] in out.inner_text()
+
 
 def _describe(cells: list[dict]) -> str:
     parts = []
