@@ -27,7 +27,7 @@ from alpa_lab.graph.trace import TraceError, trace
 from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.intra_op import PinError
 from alpa_lab.passes.methods import METHODS, MethodError
-from alpa_lab.plan import Plan, PlanFormatError
+from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
 from alpa_lab.runtime.apply import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 
@@ -42,6 +42,7 @@ __all__ = [
     "MethodError",
     "ParallelizedStep",
     "PinError",
+    "PipelinePlan",
     "Plan",
     "PlanFormatError",
     "ShardingSpec",

@@ -56,6 +56,8 @@ def test_magic_without_args_only_wraps(ip):
         ("--args state,nope", CELL, "nope are not defined"),
         ("--method fastest", CELL, "unknown --method"),
         ("--name 1x", CELL, "not a Python identifier"),
+        ("--workbench a-b", CELL, "--workbench 'a-b' is not a Python identifier"),
+        ("--device-memory -1", CELL, "--device-memory must be a positive"),
         ("--microbatches 2 --schedule nope", CELL, "unknown pipeline schedule"),
         ("", "x = 1\n", "must define the training step"),
         ("--bogus", CELL, "unrecognized arguments"),
@@ -97,3 +99,12 @@ def test_help_prints_every_option_and_runs_nothing(ip, capsys):
                    "--no-display", "p3.16xlarge:8"):
         assert option in out
     assert "helped" not in ip.user_ns
+
+
+def test_workbench_name_max_stages_and_device_memory(ip):
+    line = ("--cluster local:2x4 --microbatches 4 --layers 4 --max-stages 1 --device-memory 2 "
+            "--args state,batch --name one_stage --workbench wb1")
+    wb = ip.run_cell_magic("parallelize", line, CELL)
+    assert ip.user_ns["wb1"] is wb and wb.plan is ip.user_ns["one_stage"]
+    assert wb.plan.num_stages == 1 and wb.plan.cluster["device_memory"] == 2 * 2**30
+    assert ip.user_ns["train_step"].max_stages == 1

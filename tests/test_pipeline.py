@@ -374,3 +374,16 @@ def test_a_failed_run_keeps_the_plan_and_the_state(pipelined_steps):
     assert step.current_plan is plan
     state, loss = step(ex.state, ex.batch)  # the state passed in is untouched and still trains
     assert np.isfinite(float(loss))
+
+
+def test_a_plan_for_more_devices_than_here_asks_for_enough():
+    from alpa_lab.runtime.apply import DeviceError
+
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(4, 4), microbatches=4, layers=4)
+    plan = step.plan(ex.state, ex.batch)
+    need = max(d for st in plan.stages for d in st.device_ids) + 1
+    assert need > len(jax.devices())
+    with pytest.raises(DeviceError, match=f"device_count={need} "):
+        step(ex.state, ex.batch)
+    assert step.current_plan is plan

@@ -10,6 +10,7 @@ traceback pointing at the user's line.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -49,9 +50,12 @@ class ParallelizeMagics(Magics):
     @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))}")
     @argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
     @argument("--method", default="alpa", help=f"planning method: {', '.join(al.METHODS)}")
+    @argument("--max-stages", type=int, default=None, help="at most this many pipeline stages")
+    @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
     @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
     @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
-    @argument("--name", default=None, help="bind the plan to this name")
+    @argument("--name", default=None, help="bind the plan to this name (edits in the workbench re-bind it)")
+    @argument("--workbench", default=None, help="bind the workbench to this name too")
     @argument("--no-display", action="store_true", help="plan, but do not show the workbench")
     @argument("-h", "--help", action="store_true", help="show this help and do nothing else")
     @cell_magic
@@ -59,7 +63,7 @@ class ParallelizeMagics(Magics):
         """Run the cell, parallelize the step it defines, and plan it with ``--args``.
 
         The step's name is rebound to the parallelized step: calling it runs the current plan.
-        The cell's result is the workbench (``wb = _`` in the next cell keeps it); its edits
+        The cell's result is the workbench, bound to ``--workbench`` if given; its edits
         re-bind ``--name`` and become the step's plan.
         """
         opts = parse_argstring(self.parallelize, line)
@@ -77,8 +81,13 @@ class ParallelizeMagics(Magics):
         missing = [a for a in names if a not in ns]
         if missing:
             raise UsageError(f"%%parallelize: --args names {', '.join(missing)} are not defined in the notebook; define them first")
-        if opts.name is not None and not opts.name.isidentifier():
-            raise UsageError(f"%%parallelize: --name {opts.name!r} is not a Python identifier")
+        for flag, value in (("--name", opts.name), ("--workbench", opts.workbench)):
+            if value is not None and not value.isidentifier():
+                raise UsageError(f"%%parallelize: {flag} {value!r} is not a Python identifier")
+        if opts.device_memory is not None:
+            if not opts.device_memory > 0:
+                raise UsageError(f"%%parallelize: --device-memory must be a positive number of GiB, got {opts.device_memory}")
+            cluster = dataclasses.replace(cluster, device_memory=opts.device_memory * 2**30)
 
         previous = ns.get(fn_name, _UNSET)
         result = self.shell.run_cell(cell, store_history=False, silent=True)
@@ -93,6 +102,7 @@ class ParallelizeMagics(Magics):
                 microbatches=opts.microbatches,
                 schedule=opts.schedule,
                 layers=opts.layers,
+                max_stages=opts.max_stages,
             )
         except ValueError as err:  # bad option combinations: say which, and keep the old binding
             if previous is _UNSET:
@@ -119,6 +129,8 @@ class ParallelizeMagics(Magics):
         from alpa_lab.notebook.workbench import Workbench
 
         self.last_workbench = Workbench(plan, step, on_change=bind)
+        if opts.workbench:
+            ns[opts.workbench] = self.last_workbench
         return self.last_workbench  # the cell's result: shown, and ``_`` in the next cell
 
     @staticmethod

@@ -70,13 +70,16 @@ def overview_figure(ov: Overview) -> go.Figure:
         )
     fig.update_xaxes(title_text="ms", row=1, col=2)
     fig.update_layout(barmode="stack")
+    # memory on a log scale, so a stage using kilobytes still shows beside a capacity of gigabytes
     fig.add_trace(
-        go.Bar(x=names, y=[s.memory / 2**30 for s in ov.stages], name="memory", marker_color=[colour(s.index) for s in ov.stages],
-               showlegend=False),
+        go.Bar(x=names, y=[max(s.memory, 1.0) for s in ov.stages], name="memory", showlegend=False,
+               marker_color=[colour(s.index) for s in ov.stages], text=[_fmt_bytes(s.memory) for s in ov.stages],
+               textposition="auto", hovertemplate="%{x}: %{text} per device<extra></extra>"),
         row=1, col=3,
     )
-    fig.add_hline(y=ov.capacity / 2**30, line_dash="dash", line_color="red", row=1, col=3)
-    fig.update_yaxes(title_text="GiB (dashed: capacity)", row=1, col=3)
+    fig.add_hline(y=ov.capacity, line_dash="dash", line_color="red", row=1, col=3,
+                  annotation_text=f"capacity {_fmt_bytes(ov.capacity)}", annotation_position="bottom right")
+    fig.update_yaxes(type="log", exponentformat="SI", ticksuffix="B", title_text="per device (log)", row=1, col=3)
     fig.update_layout(height=320, margin=dict(l=40, r=20, t=40, b=40), legend=dict(orientation="h", y=-0.2))
     return fig
 
@@ -106,19 +109,21 @@ def heatmap_figure(info: TensorInfo, tiles: Sequence[Tile]) -> go.Figure:
         row=1, col=1,
     )
     grid, (n_rows, n_cols) = views.tensor_grid(info, tiles)
+    ys = [r * n_rows / grid.shape[0] for r in range(grid.shape[0])]  # cells at the tensor's own indices
+    xs = [c * n_cols / grid.shape[1] for c in range(grid.shape[1])]
     holders: dict[int, list[int]] = {}
     for t in tiles:
         holders.setdefault(ids[t.tile_index], []).append(t.device)
     hover = [[f"tile {v}: devices {holders.get(int(v), [])}" for v in row] for row in grid]
     fig.add_trace(
-        go.Heatmap(z=grid, text=hover, colorscale=scale, zmin=-0.5, zmax=n - 0.5, showscale=False,
+        go.Heatmap(z=grid, x=xs, y=ys, text=hover, colorscale=scale, zmin=-0.5, zmax=n - 0.5, showscale=False,
                    hovertemplate="%{text}<extra></extra>"),
         row=1, col=2,
     )
-    for axis_row in (1,):
-        fig.update_yaxes(autorange="reversed", row=axis_row, col=1)
-        fig.update_yaxes(autorange="reversed", row=axis_row, col=2, title_text=f"dim 0 ({n_rows})")
-    fig.update_xaxes(title_text=f"last dim ({n_cols})", row=1, col=2)
+    fig.update_yaxes(autorange="reversed", row=1, col=1, tickvals=list(range(rows)), title_text="mesh axis 0")
+    fig.update_xaxes(tickvals=list(range(cols)), row=1, col=1, title_text="mesh axis 1")
+    fig.update_yaxes(autorange="reversed", row=1, col=2, title_text=f"dim 0 (size {n_rows})")
+    fig.update_xaxes(title_text=f"last dim (size {n_cols})", row=1, col=2)
     fig.update_layout(
         height=300, margin=dict(l=40, r=20, t=40, b=40),
         title=dict(text=f"{html.escape(info.name)}: {info.spec} ({info.dtype}) on stage {info.stage}", font=dict(size=13)),

@@ -30,7 +30,7 @@ from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
 from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
-from alpa_lab.passes.inter_op import InterOpError, StageCost, logical_shapes, stage_dp
+from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
 from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, solve_strategy_graph
 from alpa_lab.passes.methods import method_restrictions, solve_method
 from alpa_lab.passes.schedule import Timeline, check, make_schedule, simulate
@@ -165,6 +165,16 @@ class PipelineProblem:
         forward += sol.objective - op_total  # loads and reshardings: charged to the forward
         return LayerCost(forward, sol.objective - forward, weights * self.state_factor, activations)
 
+    def stage_graph(self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...]) -> StrategyGraph:
+        """The intra-op problem of the stage holding ``layers`` on ``device_ids`` seen as ``logical`` (cached)."""
+        key = (layers, logical, device_ids)
+        if key not in self.stage_graphs:
+            piece = self.piece(layers)
+            self.stage_graphs[key] = build_strategy_graph(
+                piece.graph, self.mesh(submesh, logical, device_ids), argument_kinds=self.piece_kinds(piece)
+            )
+        return self.stage_graphs[key]
+
     def stage_cost(self, start: int, end: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
         """Layers [start, end) on one logical mesh: the sum of their layer costs."""
         costs = [self.layer_cost(lay, submesh, logical, method) for lay in range(start, end)]
@@ -202,13 +212,7 @@ def _plan_stage(
     key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
-        sg_key = (layers, logical, device_ids)
-        if sg_key not in problem.stage_graphs:
-            piece = problem.piece(layers)
-            problem.stage_graphs[sg_key] = build_strategy_graph(
-                piece.graph, problem.mesh(submesh, logical, device_ids), argument_kinds=problem.piece_kinds(piece)
-            )
-        sg = problem.stage_graphs[sg_key]
+        sg = problem.stage_graph(layers, submesh, logical, device_ids)
         solved = solve_method(sg, method, mine)
         problem.stage_plans[key] = make_plan(
             sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
@@ -358,18 +362,69 @@ def plan_pipeline(
         )
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
+    candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule)
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
-    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
-    for st in inter.stages:  # the layout the DP chose for each stage, when not the fastest
-        if st.variant != method:
-            problem.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.variant
-        else:
-            problem.stage_methods.pop((st.layers, st.submesh_shape, st.logical_shape), None)
     if progress:
-        progress(f"planning {len(stages)} stages")
-    results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
-    check_memory(results, cluster)
+        progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
+    best, refused = None, None
+    for cand in candidates:
+        _remember_variants(problem, cand, method)
+        stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in cand.stages]
+        results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
+        try:
+            check_memory(results, cluster)
+        except InterOpError as err:
+            refused = refused or err
+            continue
+        step_time = timeline.makespan + max(r.apply_time for r in results)
+        if best is None or step_time < best[0]:
+            best = (step_time, cand, results, timeline)
+    if best is None:
+        raise refused
+    _, chosen, results, timeline = best
+    _remember_variants(problem, chosen, method)  # re-plans (pins) of its stages use the same layouts
     return problem, results, timeline
+
+
+def _remember_variants(problem: PipelineProblem, inter: InterOpPlan, method: str) -> None:
+    """Record the layout the DP chose for each stage where it is not ``method``'s fastest."""
+    for st in inter.stages:
+        key = (st.layers, st.submesh_shape, st.logical_shape)
+        if st.variant != method:
+            problem.stage_methods[key] = st.variant
+        else:
+            problem.stage_methods.pop(key, None)
+
+
+def _fewer_stage_optima(
+    problem: PipelineProblem,
+    best: InterOpPlan,
+    num_microbatches: int,
+    max_stages: int | None,
+    cost: Callable,
+    rule: Callable[[int], int],
+) -> list[InterOpPlan]:
+    """The DP's optima with at most 1, 2, 4, ... stages (fewer than ``best`` has).
+
+    Eq. 2 leaves out the activations and gradients crossing stage boundaries and the weight
+    update, as the paper does (it expects transfers to overlap with compute). Where they do
+    not (slow links between hosts, small layers), fewer stages can be faster, so
+    ``plan_pipeline`` plans these candidates too and keeps the one whose simulated step
+    (the schedule with its transfers, then the update) is fastest. Each is an eq. 2 optimum
+    for its stage count; layer costs are cached, so each costs one DP.
+    """
+    out = []
+    k = 1
+    while k < best.num_stages and (max_stages is None or k < max_stages):
+        try:
+            cand = stage_dp(problem.slicing.num_layers, problem.cluster.hosts, problem.cluster.devices_per_host,
+                            num_microbatches, cost, max_stages=k, in_flight=rule)
+        except InterOpError:  # fewer stages do not fit (memory): not a candidate
+            cand = None
+        if cand is not None and all(cand.stages != c.stages for c in out):
+            out.append(cand)
+        k *= 2
+    return out
 
 
 MEMORY_SAVING_METHODS = ("megatron", "zero3")

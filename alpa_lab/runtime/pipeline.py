@@ -85,14 +85,18 @@ class CompiledPipeline:
 
 
 def _mesh(device_ids: Sequence[int], shape: tuple[int, int], devices: list) -> Mesh:
-    need = max(device_ids) + 1
+    return Mesh(np.array([devices[i] for i in device_ids], dtype=object).reshape(shape), ("x", "y"))
+
+
+def _check_devices(stages: Sequence[StageResult], devices: list) -> None:
+    """Every stage's devices exist here, checked for all stages at once so the count asked for is enough."""
+    need = max(d for st in stages for d in st.device_ids) + 1
     if len(devices) < need:
         raise DeviceError(
-            f"the pipeline uses devices up to id {need - 1} but JAX sees {len(devices)}; for simulated CPU devices "
-            f"set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX is first imported "
-            "(in a notebook: restart the kernel after setting it)"
+            f"the pipeline's {len(stages)} stages use devices 0..{need - 1} but JAX sees {len(devices)}; for simulated "
+            f"CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX is first imported "
+            "(in a notebook: restart the kernel after setting it), or plan for the devices you have"
         )
-    return Mesh(np.array([devices[i] for i in device_ids], dtype=object).reshape(shape), ("x", "y"))
 
 
 def compile_pipeline(
@@ -110,6 +114,7 @@ def compile_pipeline(
             "several stages on one mesh and is for planning and simulation only"
         )
     devices = list(jax.devices()) if devices is None else list(devices)
+    _check_devices(stages, devices)
     meshes = tuple(_mesh(st.device_ids, st.logical_shape, devices) for st in stages)
     stage_of_op = slicing.stage_of_ops([st.layers for st in stages])
 
