@@ -265,7 +265,7 @@ def test_static_html_for_saved_notebooks(gpt):
 
 
 def test_single_mesh_plan(mlp_single):
-    _, step, plan = mlp_single
+    ex, step, plan = mlp_single
     wb = Workbench(plan, step)
     op = next(o for o in plan.ops if o.kind == "op" and o.num_strategies > 1)
     other = next(a.strategy for a in plan.explain(op.name).alternatives if not a.chosen)
@@ -276,6 +276,11 @@ def test_single_mesh_plan(mlp_single):
     assert f"{op.name}: {op.strategy} -> {other}" in wb.changes[-1]
     assert not wb.pin_stages([[0, 0]]) and "single-mesh" in wb.last_error
     assert views.overview(plan).stages[0].bubble == 0 and "<svg" not in wb.to_html()
+    wb.undo()
+    wb.run(ex.state, ex.batch, steps=3, block=True)
+    assert wb.last_error == "" and [b.microbatch for b in wb.measured] == [0, 1, 2]
+    assert all(b.phase == "step" and b.source == "measured" for b in wb.measured)
+    assert "median of 2" in wb.measured_html.value and "<svg" in wb.to_html()  # the measured steps are drawn
     step.current_plan = plan
 
 

@@ -269,7 +269,7 @@ def measured_bars(records: Sequence[tuple[int, str, int, float, float]]) -> tupl
     return tuple(bars)
 
 
-_PHASE_LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W", "apply": "U"}
+_PHASE_LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W", "apply": "U", "step": "step "}
 
 
 def bar_label(bar: Bar) -> str:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import html
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ipywidgets as W
+import jax
 import plotly.graph_objects as go
 
 from alpa_lab.notebook import render, views
@@ -215,8 +217,8 @@ class Workbench(W.VBox):
         for st in (self.plan.stages if self.pipelined else ()):
             predicted = self.plan.num_microbatches * (st.forward_time + st.backward_time) + st.apply_time
             rows.append([str(st.index), render._ms(predicted), render._ms(per_stage.get(st.index, 0.0))])
-        steady = sorted(self.measured_steps[1:] or self.measured_steps)  # the first step compiles
-        median = f"{render._ms(steady[len(steady) // 2])} (median of {len(steady)}; first step with compiling "
+        steady = self.measured_steps[1:] or self.measured_steps  # the first step compiles
+        median = f"{render._ms(statistics.median(steady))} (median of {len(steady)}; first step with compiling "
         rows.append(["step", render._ms(self.plan.estimated_step_time), median + f"{render._ms(self.measured_steps[0])})"])
         return "<b>measured against predicted</b>" + render._table(["stage", "predicted", "measured (last step)"], rows)
 
@@ -352,6 +354,7 @@ class Workbench(W.VBox):
         if not self.history:
             return self._refuse("nothing to undo")
         self._make_current(self.history.pop())
+        self.last_error = ""
         self.changes.append("undo")
         self.refresh()
         self.status.value = "undone"
@@ -386,22 +389,30 @@ class Workbench(W.VBox):
         if self._thread is not None and self._thread.is_alive():
             raise ValueError("a run is already in progress; wait for it (workbench.wait())")
         update = update or (lambda res: (res[0], *args[1:]))
+        self.last_error = ""
 
         def work() -> None:
+            from alpa_lab.runtime.pipeline import CompiledPipeline
+
             current = args
+            compiled = None
             try:
                 compiled = self.step.compiled(*current)
-                compiled.profile = True
+                pipelined = isinstance(compiled, CompiledPipeline)
+                if pipelined:
+                    compiled.profile = True  # wait for each unit task: records are run times, not dispatch times
+                self.measured = ()  # a single-mesh step is one jitted program: one bar per step
+                start = time.perf_counter()
                 for i in range(steps):
                     t0 = time.perf_counter()
                     res = self.step(*current)
-                    import jax
-
                     jax.block_until_ready(res)
-                    self.measured_steps.append(time.perf_counter() - t0)
-                    records = getattr(compiled, "last_timings", {}).get("records", ())
-                    if records:
-                        self.measured = views.measured_bars(records)
+                    t1 = time.perf_counter()
+                    self.measured_steps.append(t1 - t0)
+                    if pipelined:
+                        self.measured = views.measured_bars(compiled.last_timings.get("records", ()))
+                    else:
+                        self.measured += (views.Bar(0, 0, "RUN", "step", i, t0 - start, t1 - start, source="measured"),)
                     self.result = res
                     current = update(res)
                     self.status.value = f"step {i + 1}/{steps}: {self.measured_steps[-1] * 1e3:.1f} ms"
@@ -410,8 +421,8 @@ class Workbench(W.VBox):
                 self.last_error = f"{type(err).__name__}: {err}"
                 self.status.value = f'<span style="color:#c00">run failed: {html.escape(self.last_error)} (plan and last state kept)</span>'
             finally:
-                if hasattr(self.step, "_compiled") and self.step._compiled is not None:
-                    self.step._compiled.profile = False
+                if isinstance(compiled, CompiledPipeline):
+                    compiled.profile = False
 
         self._thread = threading.Thread(target=work, name="alpa_lab-run", daemon=True)
         self._thread.start()

@@ -52,7 +52,11 @@ class CompiledPlan:
     out_shardings: tuple[NamedSharding, ...]
 
     def __call__(self, *flat_args: Any) -> list[Any]:
-        return self.fn(*flat_args)
+        # Arguments are placed on their planned shardings first (a no-op for arrays already
+        # there, such as the state the last step returned): jit would otherwise compile once
+        # for host arrays and again for the committed arrays of the next step.
+        args = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s) for x, s in zip(flat_args, self.in_shardings)]
+        return self.fn(*args)
 
     def lower_text(self, *flat_args: Any) -> str:
         """XLA's optimised HLO for these arguments (to count the collectives it inserted)."""
