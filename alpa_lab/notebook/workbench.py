@@ -91,6 +91,7 @@ class Workbench(W.VBox):
         self.status = W.HTML()
         # overview
         self.overview_box = W.VBox()
+        self.overview_measured = W.HTML()
         # sharding
         self.tensor_select = W.Combobox(placeholder="tensor: op name or argument path", ensure_option=True,
                                         layout=W.Layout(width="60%"))
@@ -163,7 +164,7 @@ class Workbench(W.VBox):
             f"<b>alpa_lab plan</b> ({html.escape(plan.method)}, {kind}): predicted step "
             f"{plan.estimated_step_time * 1e3:.3f} ms, memory/device {render._fmt_bytes(plan.memory_per_device)}"
         )
-        self.overview_box.children = [_figure(render.overview_figure(ov))]
+        self.overview_box.children = [_figure(render.overview_figure(ov)), self.overview_measured]
         self._tensors = views.tensors(plan)
         names = sorted(self._tensors)
         self.tensor_select.options = names
@@ -205,7 +206,7 @@ class Workbench(W.VBox):
                 for source in ("predicted", "measured")
                 if (part := [b for b in bars if b.source == source])
             ]
-        self.measured_html.value = self._measured_table()
+        self.measured_html.value = self.overview_measured.value = self._measured_table()
 
     def _measured_table(self) -> str:
         if not self.measured_steps:
@@ -321,6 +322,7 @@ class Workbench(W.VBox):
 
     def _make_current(self, plan: Plan | PipelinePlan) -> None:
         self.plan = plan
+        self.measured, self.measured_steps = (), []  # they were measured on the previous plan
         if self.step is not None:
             self.step.current_plan = plan  # calling the step now runs this plan
         if self.on_change is not None:
