@@ -20,9 +20,9 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import _path_str, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, solve_method
-from alpa_lab.passes.pipeline import in_flight_rule, plan_pipeline
+from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline
 from alpa_lab.passes.schedule import SCHEDULES, make_schedule
-from alpa_lab.plan import PipelinePlan, Plan, make_plan
+from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, make_plan
 from alpa_lab.runtime.apply import CompiledPlan, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
 
@@ -198,15 +198,41 @@ class ParallelizedStep:
         self.current_plan = plan
         return plan
 
-    def use(self, plan: Plan, *args: Any) -> Plan:
+    def use(self, plan: Plan | PipelinePlan, *args: Any) -> Plan | PipelinePlan:
         """Make ``plan`` current (e.g. an edited or loaded one) after checking it fits.
 
         A plan loaded from JSON gets the planner state back, so it can be edited again.
         With ``args`` the plan is checked against their program now; otherwise at the next call.
+        Returns the plan made current (for a loaded plan: the one with its planner state,
+        which is the one to edit). On any error the previous plan stays current.
         """
         if isinstance(plan, PipelinePlan):
-            if args and plan.fingerprint != self.trace(*args).fingerprint:
-                raise ValueError("this pipeline plan was made for another program; re-plan with step.plan(*args)")
+            if not self.pipelined:
+                raise PlanFormatError(
+                    "this step is not pipelined, so it cannot run a pipeline plan: make it with "
+                    f"parallelize(fn, cluster=..., microbatches={plan.num_microbatches})"
+                )
+            if plan.num_microbatches != self.microbatches:
+                raise PlanFormatError(
+                    f"this pipeline plan cuts the batch into {plan.num_microbatches} micro-batches but the step into "
+                    f"{self.microbatches}: make the step with microbatches={plan.num_microbatches}, or re-plan"
+                )
+            if args:
+                graph = self.trace(*args)
+                plan.check_program(graph)
+                if plan.problem is None:  # loaded: attach the planner state of this program
+                    split = tuple(p for p, s in zip(graph.in_paths, self._split(*args)) if s)
+                    if split != tuple(plan.split_inputs):
+                        raise PlanFormatError(
+                            f"this pipeline plan cuts {list(plan.split_inputs)} into micro-batches but the step cuts "
+                            f"{list(split)}; re-plan with step.plan(...)"
+                        )
+                    problem = self._problems.get(graph.fingerprint)
+                    if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
+                        problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
+                        if dict(plan.cluster) == self.cluster.to_dict():
+                            self._problems[graph.fingerprint] = problem
+                    plan = plan.attach(problem)
             self.current_plan = plan
             return plan
         if args:
@@ -237,6 +263,8 @@ class ParallelizedStep:
             self.plan(*args)
         plan = self._require_plan()
         if isinstance(plan, PipelinePlan):
+            if plan.problem is None:  # loaded and made current without arguments: attach it now
+                plan = self.use(plan, *args)
             if plan.fingerprint != graph.fingerprint:
                 raise ValueError(
                     "the current pipeline plan was made for another program (other argument shapes or code); "

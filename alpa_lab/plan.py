@@ -23,9 +23,12 @@ from alpa_lab.graph.opgraph import OpGraph, did_you_mean
 from alpa_lab.passes.inter_op import pipeline_latency
 from alpa_lab.passes.intra_op import PinError, StrategyGraph
 from alpa_lab.passes.methods import MethodSolution, solve_method
+from alpa_lab.passes.schedule import SCHEDULES, Timeline, TimelineRecord
 from alpa_lab.sharding.resharding import resharding
 
 SCHEMA_VERSION = 1
+PIPELINE_PLAN_TYPE = "pipeline"
+"""``plan_type`` of a ``PipelinePlan``'s JSON (a single-mesh ``Plan``'s JSON has none)."""
 
 
 class PlanFormatError(ValueError):
@@ -371,6 +374,11 @@ class Plan:
             raise PlanFormatError(f"plan file is not valid JSON ({exc}); was it truncated or edited by hand?") from exc
         if not isinstance(data, dict) or "schema_version" not in data:
             raise PlanFormatError("this JSON is not an alpa_lab plan (no 'schema_version' field)")
+        if data.get("plan_type") == PIPELINE_PLAN_TYPE:
+            raise PlanFormatError(
+                "this JSON is a pipeline plan (stages on sub-meshes), not a single-mesh Plan: "
+                "load it with alpa_lab.PipelinePlan.load (or PipelinePlan.from_json)"
+            )
         if data["schema_version"] != SCHEMA_VERSION:
             raise PlanFormatError(
                 f"plan schema version {data['schema_version']} is not supported by this alpa_lab "
@@ -629,7 +637,9 @@ class PipelinePlan:
     """argument paths cut into micro-batches along axis 0 (the batch)."""
     stage_pins: bool = False
     planning_seconds: Mapping[str, float] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
     problem: Any = field(default=None, compare=False, repr=False)
+    """the planner state (``passes.pipeline.PipelineProblem``): not saved; ``ParallelizedStep.use`` re-attaches it."""
 
     @property
     def num_stages(self) -> int:
@@ -693,7 +703,10 @@ class PipelinePlan:
     # ----- editing -------------------------------------------------------------------
     def _require_problem(self) -> Any:
         if self.problem is None:
-            raise PlanFormatError("this pipeline plan has no planner state attached; re-plan it with its step")
+            raise PlanFormatError(
+                "this pipeline plan has no planner state attached (loaded from JSON?); call "
+                "step.use(plan, *example_args) with the ParallelizedStep it belongs to, then edit the plan it returns"
+            )
         return self.problem
 
     def _replan(self, stages: list, pins: Mapping[str, str], stage_pins: bool, schedule: str | None = None) -> PipelinePlan:
@@ -781,3 +794,312 @@ class PipelinePlan:
             f"({_signed_pct(other.estimated_step_time, self.estimated_step_time)})"
         )
         return "\n".join(lines)
+
+    # ----- persistence ---------------------------------------------------------------
+    def to_json(self) -> str:
+        """Plain JSON: every field (each stage's ``Plan``, the timeline's records) but ``problem``."""
+        data: dict[str, Any] = {"plan_type": PIPELINE_PLAN_TYPE, "schema_version": self.schema_version}
+        for f in dataclasses.fields(self):
+            if f.name in ("problem", "schema_version"):
+                continue
+            value = getattr(self, f.name)
+            if f.name == "stages":
+                value = [_stage_to_dict(st) for st in value]
+            elif f.name == "timeline":
+                value = dataclasses.asdict(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            data[f.name] = value
+        return json.dumps(data, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        """The plan ``to_json`` wrote; its planner state comes back with ``ParallelizedStep.use``."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(
+                f"pipeline plan file is not valid JSON ({exc}); was it truncated or edited by hand?"
+            ) from exc
+        if not isinstance(data, dict) or "schema_version" not in data:
+            raise PlanFormatError("this JSON is not an alpa_lab plan (no 'schema_version' field)")
+        if data.get("plan_type") != PIPELINE_PLAN_TYPE:
+            if "plan_type" not in data and "ops" in data and "mesh_shape" in data:
+                raise PlanFormatError(
+                    "this JSON is a single-mesh Plan, not a pipeline plan: load it with alpa_lab.Plan.load "
+                    "(or Plan.from_json)"
+                )
+            raise PlanFormatError(
+                f"this JSON is not a pipeline plan (plan_type {data.get('plan_type')!r}, expected {PIPELINE_PLAN_TYPE!r})"
+            )
+        if data["schema_version"] != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"pipeline plan schema version {data['schema_version']} is not supported by this alpa_lab "
+                f"(expects {SCHEMA_VERSION}); re-plan the step to get a current plan"
+            )
+        try:
+            return _pipeline_plan_from_dict(data)
+        except _MissingField as exc:
+            raise PlanFormatError(f"pipeline plan JSON is missing or has malformed fields: no {exc.args[0]!r}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanFormatError(f"pipeline plan JSON is missing or has malformed fields: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> PipelinePlan:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PlanFormatError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
+        return cls.from_json(text)
+
+    def check_program(self, graph: OpGraph) -> None:
+        """Raise if this plan was made for another program than ``graph`` (traced at micro-batch size)."""
+        if graph.fingerprint != self.fingerprint:
+            raise PlanFormatError(
+                f"this pipeline plan was made for another program (plan fingerprint {self.fingerprint}, "
+                f"traced program {graph.fingerprint}): the function, its argument shapes or dtypes, the number "
+                "of micro-batches or the layering (layers=) differ; re-plan with step.plan(...)"
+            )
+
+    def attach(self, problem: Any) -> PipelinePlan:
+        """This plan with ``problem`` (the ``PipelineProblem`` of its program) as its planner state.
+
+        What ``ParallelizedStep.use`` does for a loaded plan, so that it runs and can be edited
+        again: each stage's ``Plan`` gets its strategy graph (``problem.stage_graph``, cached
+        there), the problem learns the layout each stage was planned with (a DP-chosen
+        memory-saving one stays on re-plans) and caches the stage plans, so an edit re-solves
+        only the stages it touches, as on the original plan. Raises ``PlanFormatError`` when
+        the plan does not fit it (another program, another cluster, stage plans that are not
+        that program's), before recording anything in ``problem`` but strategy graphs.
+        """
+        self.check_program(problem.graph)
+        if problem.slicing.num_layers != self.num_layers:
+            raise PlanFormatError(
+                f"this pipeline plan cuts the program into {self.num_layers} layers but the traced program has "
+                f"{problem.slicing.num_layers}; re-plan with step.plan(...)"
+            )
+        if problem.cluster.to_dict() != dict(self.cluster):
+            raise PlanFormatError("the planner state given is for another cluster than this pipeline plan's")
+        graphs = []
+        for st in self.stages:
+            sg = problem.stage_graph(st.layers, st.submesh_shape, st.logical_shape, st.device_ids)
+            if sg.fingerprint != st.plan.fingerprint:
+                raise PlanFormatError(
+                    f"stage {st.index}'s plan (layers {st.layers[0]}..{st.layers[1] - 1}) belongs to another program "
+                    f"than that stage of the traced program; re-plan with step.plan(...)"
+                )
+            _check_choices(st, sg)
+            graphs.append(sg)
+        stages = []
+        for st, sg in zip(self.stages, graphs):
+            if self.method == "alpa":  # as plan_pipeline records the DP's choice of layout
+                if st.plan.method != self.method:
+                    problem.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.plan.method
+                else:
+                    problem.stage_methods.pop((st.layers, st.submesh_shape, st.logical_shape), None)
+            key = (st.layers, st.logical_shape, st.device_ids, st.plan.method, tuple(sorted(dict(st.plan.pins).items())))
+            cached = problem.stage_plans.get(key)
+            if cached is not None and cached == st.plan and cached.problem is sg:
+                plan = cached
+            else:
+                plan = dataclasses.replace(st.plan, problem=sg)
+                problem.stage_plans.setdefault(key, plan)
+            stages.append(dataclasses.replace(st, plan=plan))
+        return dataclasses.replace(self, stages=tuple(stages), problem=problem)
+
+
+def _check_choices(st: StageResult, sg: StrategyGraph) -> None:
+    """Each op of a stage's plan is a node of its strategy graph, with a strategy that node offers."""
+    if [o.name for o in st.plan.ops] != [n.name for n in sg.nodes]:
+        raise PlanFormatError(f"stage {st.index}'s plan does not list the ops of that stage's program; re-plan with step.plan(...)")
+    for o, node in zip(st.plan.ops, sg.nodes):
+        if o.strategy not in {s.name for s in node.strategies}:
+            raise PlanFormatError(
+                f"stage {st.index}'s plan gives {o.name!r} the strategy {o.strategy!r}, which the planner does not "
+                f"offer for it (see plan.stages[{st.index}].plan.explain({o.name!r}) on a planned step)"
+            )
+
+
+# ----- pipeline plan JSON ------------------------------------------------------------------
+
+
+class _FieldError(ValueError):
+    """A malformed field of pipeline plan JSON; the message starts with its path (``stages[1].plan``)."""
+
+
+class _MissingField(_FieldError):
+    """A required field absent from pipeline plan JSON; ``args[0]`` is its path."""
+
+
+def _stage_to_dict(st: StageResult) -> dict[str, Any]:
+    data = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if f.name != "plan"}
+    plan = dataclasses.asdict(dataclasses.replace(st.plan, problem=None))
+    plan.pop("problem")
+    data["plan"] = plan
+    return data
+
+
+def _number(x: Any) -> float:
+    """A JSON number kept as written (an int stays an int), so figures round-trip exactly."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"expected a number, got {x!r}")
+    return x
+
+
+def _integer(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"expected an integer, got {x!r}")
+    return x
+
+
+def _text(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {x!r}")
+    return x
+
+
+def _flag(x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"expected true or false, got {x!r}")
+    return x
+
+
+def _array(item: Any) -> Any:
+    def convert(x: Any) -> tuple:
+        if not isinstance(x, list):
+            raise TypeError(f"expected a list, got {x!r}")
+        return tuple(item(v) for v in x)
+
+    return convert
+
+
+def _optional(item: Any) -> Any:
+    return lambda x: None if x is None else item(x)
+
+
+def _as_tuples(x: Any) -> Any:
+    """JSON lists back to tuples, for fields without a converter of their own."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _from_dict(cls: type, d: Any, where: str, convert: Mapping[str, Any]) -> Any:
+    """``cls`` from its JSON object: each field through its converter; errors name the field's path."""
+    if not isinstance(d, dict):
+        raise _FieldError(f"{where or 'the plan'}: expected a JSON object, got {type(d).__name__}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "problem" or not f.init:
+            continue
+        path = f"{where}.{f.name}" if where else f.name
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _MissingField(path)
+            continue
+        fn = convert.get(f.name, _as_tuples)
+        try:
+            kwargs[f.name] = fn(d[f.name], path) if getattr(fn, "wants_path", False) else fn(d[f.name])
+        except _FieldError:
+            raise  # a nested field's error already names its path
+        except KeyError as exc:
+            raise _MissingField(f"{path}.{exc.args[0]}") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise _FieldError(f"{path}: {exc}") from exc
+    return cls(**kwargs)
+
+
+def _with_path(fn: Any) -> Any:
+    fn.wants_path = True
+    return fn
+
+
+_RECORD_FIELDS = {
+    "stage": _integer, "kind": _text, "phase": _text, "microbatch": _integer,
+    "start": _number, "end": _number, "mesh": _optional(_integer),
+}
+
+
+@_with_path
+def _timeline(d: Any, where: str) -> Timeline:
+    @_with_path
+    def records(items: Any, path: str) -> tuple[TimelineRecord, ...]:
+        if not isinstance(items, list):
+            raise TypeError(f"expected a list, got {items!r}")
+        return tuple(_from_dict(TimelineRecord, r, f"{path}[{i}]", _RECORD_FIELDS) for i, r in enumerate(items))
+
+    return _from_dict(
+        Timeline, d, where,
+        {
+            "records": records, "makespan": _number, "bubble_fraction": _number, "transfer_time": _number,
+            "peak_in_flight": _array(_integer), "mesh_peak_in_flight": _array(_integer),
+            "peak_unfreed": _array(_integer), "mesh_peak_unfreed": _array(_integer),
+            "mesh_bubble_fractions": _array(_number),
+        },
+    )
+
+
+@_with_path
+def _stage_plan(d: Any, where: str) -> Plan:
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a JSON object, got {type(d).__name__}")
+    try:
+        return _plan_from_dict(d)
+    except KeyError as exc:
+        raise _MissingField(f"{where}.{exc.args[0]}") from exc
+
+
+_STAGE_FIELDS = {
+    "index": _integer, "layers": _array(_integer), "submesh_shape": _array(_integer),
+    "logical_shape": _array(_integer), "device_ids": _array(_integer), "plan": _stage_plan,
+    "forward_time": _number, "backward_time": _number, "apply_time": _number, "weight_memory": _number,
+    "activation_memory": _number, "in_flight": _integer, "weight_gradient_time": _number,
+}
+
+
+@_with_path
+def _stages(items: Any, where: str) -> tuple[StageResult, ...]:
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"expected a non-empty list of stages, got {items!r}")
+    return tuple(_from_dict(StageResult, s, f"{where}[{i}]", _STAGE_FIELDS) for i, s in enumerate(items))
+
+
+def _cluster(d: Any) -> dict[str, Any]:
+    from alpa_lab.cost.cluster import ClusterSpec
+
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a JSON object, got {d!r}")
+    try:
+        ClusterSpec(**d)  # the fields of a cluster, with valid values
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not a valid ClusterSpec ({exc})") from exc
+    return dict(d)
+
+
+def _seconds(d: Any) -> dict[str, float]:
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a JSON object, got {d!r}")
+    return {_text(k): _number(v) for k, v in d.items()}
+
+
+def _pipeline_plan_from_dict(d: dict) -> PipelinePlan:
+    plan = _from_dict(
+        PipelinePlan, d, "",
+        {
+            "fingerprint": _text, "method": _text, "cluster": _cluster, "num_microbatches": _integer,
+            "schedule": _text, "num_layers": _integer, "stages": _stages, "timeline": _timeline,
+            "split_inputs": _array(_text), "stage_pins": _flag, "planning_seconds": _seconds,
+            "schema_version": _integer,
+        },
+    )
+    if plan.schedule not in SCHEDULES:
+        raise ValueError(f"schedule: unknown pipeline schedule {plan.schedule!r}")
+    start = 0
+    for i, st in enumerate(plan.stages):
+        if st.index != i or len(st.layers) != 2 or st.layers[0] != start or st.layers[1] <= start:
+            raise ValueError(f"stages[{i}]: index {st.index} with layers {list(st.layers)} does not follow stage {i - 1}")
+        start = st.layers[1]
+    if start != plan.num_layers:
+        raise ValueError(f"stages: the stages cover layers 0..{start - 1} but the plan has {plan.num_layers}")
+    return plan
