@@ -368,21 +368,11 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFormatError(f"plan file is not valid JSON ({exc}); was it truncated or edited by hand?") from exc
-        if not isinstance(data, dict) or "schema_version" not in data:
-            raise PlanFormatError("this JSON is not an alpa_lab plan (no 'schema_version' field)")
+        data = _plan_json(text, "plan")
         if data.get("plan_type") == PIPELINE_PLAN_TYPE:
             raise PlanFormatError(
                 "this JSON is a pipeline plan (stages on sub-meshes), not a single-mesh Plan: "
                 "load it with alpa_lab.PipelinePlan.load (or PipelinePlan.from_json)"
-            )
-        if data["schema_version"] != SCHEMA_VERSION:
-            raise PlanFormatError(
-                f"plan schema version {data['schema_version']} is not supported by this alpa_lab "
-                f"(expects {SCHEMA_VERSION}); re-plan the step to get a current plan"
             )
         try:
             return _plan_from_dict(data)
@@ -391,11 +381,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise PlanFormatError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
-        return cls.from_json(text)
+        return cls.from_json(_read_plan_file(path))
 
     def check_program(self, graph: OpGraph) -> None:
         """Raise if this plan was made for another program than ``graph``."""
@@ -405,6 +391,29 @@ class Plan:
                 f"traced program {graph.fingerprint}): the function, its argument shapes or its "
                 "dtypes differ; re-plan with step.plan(...)"
             )
+
+
+def _read_plan_file(path: str | Path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise PlanFormatError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
+
+
+def _plan_json(text: str, what: str) -> dict:
+    """Plan JSON as a dict of this schema version; ``what`` ("plan", "pipeline plan") names it in errors."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFormatError(f"{what} file is not valid JSON ({exc}); was it truncated or edited by hand?") from exc
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise PlanFormatError("this JSON is not an alpa_lab plan (no 'schema_version' field)")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise PlanFormatError(
+            f"{what} schema version {data['schema_version']} is not supported by this alpa_lab "
+            f"(expects {SCHEMA_VERSION}); re-plan the step to get a current plan"
+        )
+    return data
 
 
 def _collectives(items: list) -> tuple[Collective, ...]:
@@ -818,14 +827,7 @@ class PipelinePlan:
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:
         """The plan ``to_json`` wrote; its planner state comes back with ``ParallelizedStep.use``."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFormatError(
-                f"pipeline plan file is not valid JSON ({exc}); was it truncated or edited by hand?"
-            ) from exc
-        if not isinstance(data, dict) or "schema_version" not in data:
-            raise PlanFormatError("this JSON is not an alpa_lab plan (no 'schema_version' field)")
+        data = _plan_json(text, "pipeline plan")
         if data.get("plan_type") != PIPELINE_PLAN_TYPE:
             if "plan_type" not in data and "ops" in data and "mesh_shape" in data:
                 raise PlanFormatError(
@@ -834,11 +836,6 @@ class PipelinePlan:
                 )
             raise PlanFormatError(
                 f"this JSON is not a pipeline plan (plan_type {data.get('plan_type')!r}, expected {PIPELINE_PLAN_TYPE!r})"
-            )
-        if data["schema_version"] != SCHEMA_VERSION:
-            raise PlanFormatError(
-                f"pipeline plan schema version {data['schema_version']} is not supported by this alpa_lab "
-                f"(expects {SCHEMA_VERSION}); re-plan the step to get a current plan"
             )
         try:
             return _pipeline_plan_from_dict(data)
@@ -849,11 +846,7 @@ class PipelinePlan:
 
     @classmethod
     def load(cls, path: str | Path) -> PipelinePlan:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise PlanFormatError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
-        return cls.from_json(text)
+        return cls.from_json(_read_plan_file(path))
 
     def check_program(self, graph: OpGraph) -> None:
         """Raise if this plan was made for another program than ``graph`` (traced at micro-batch size)."""
