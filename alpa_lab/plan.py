@@ -178,7 +178,8 @@ class Plan:
     pins: tuple[tuple[str, str], ...]
     objective: float
     memory_budget: float | None = None
-    solver: Mapping[str, Any] = field(default_factory=dict)
+    solver: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """the ILP's status and wall-clock seconds: not part of a plan's identity (two solves of one problem are equal)."""
     mesh_candidates: tuple[tuple[tuple[int, int], float], ...] = ()
     unplanned_primitives: tuple[str, ...] = ()
     rewrites: tuple[str, ...] = ()
@@ -237,6 +238,11 @@ class Plan:
         ]
         if self.solver.get("status", "optimal") != "optimal":
             lines.append("  solver stopped at its time limit: the plan is feasible, optimality not proven")
+        if self.method == "megatron" and self.mesh_shape[1] == 1:
+            lines.append(
+                "  tensor-parallel degree 1 (mesh axis 1 has one device): this Megatron plan is data parallelism; "
+                "pass mesh_shape= to compare a wider tensor-parallel axis"
+            )
         if self.mesh_candidates:
             lines.append(
                 "  mesh shapes tried: "

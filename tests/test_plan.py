@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import alpa_lab as al
-from alpa_lab.models import MLPConfig, make_mlp
+from alpa_lab.models import MLPConfig, make_mlp, tiny_example
 
 CFG = MLPConfig(batch=16, in_dim=32, hidden=64, layers=2, out_dim=16)
 
@@ -270,3 +270,11 @@ def test_pins_survive_saving_and_retracing(step_and_plan, tmp_path, example):
     assert resolved.objective == pytest.approx(pinned.objective, rel=1e-9)
     state, loss = fresh(*example.args)
     assert np.isfinite(float(loss))
+
+
+def test_megatron_with_one_tensor_parallel_device_says_it_is_data_parallel():
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4), method="megatron", mesh_shape=(4, 1))
+    assert "this Megatron plan is data parallelism" in step.plan(ex.state, ex.batch).summary()
+    wide = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4), method="megatron", mesh_shape=(1, 4))
+    assert "data parallelism" not in wide.plan(ex.state, ex.batch).summary()

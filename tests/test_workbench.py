@@ -307,3 +307,14 @@ def test_filter_narrows_the_picker_and_the_table(gpt):
     assert f"{len(names)} of {len(views.strategy_rows(plan))}" in wb.table_html.value
     wb.op_filter.value = "no op has this"
     assert wb.op_select.options == () and wb.op_select.value is None
+
+
+def test_save_button_writes_the_current_plan(gpt, tmp_path):
+    ex, step, plan = gpt
+    wb = Workbench(plan, step)
+    wb.save_path.value = str(tmp_path / "edited.plan.json")
+    wb.save_button.click()
+    assert wb.last_error == "" and al.PipelinePlan.load(tmp_path / "edited.plan.json") == plan
+    wb.save_path.value = str(tmp_path / "no" / "such" / "dir" / "p.json")
+    wb.save_button.click()
+    assert "No such file or directory" in wb.last_error and wb.plan is plan  # reported; nothing is lost

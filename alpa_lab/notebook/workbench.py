@@ -132,6 +132,9 @@ class Workbench(W.VBox):
         self.changes_html = W.HTML()
         self.undo_button = W.Button(description="Undo last edit", icon="undo")
         self.undo_button.on_click(lambda _: self.undo())
+        self.save_path = W.Text(value="plan.json", description="plan file")
+        self.save_button = W.Button(description="Save plan", icon="save")
+        self.save_button.on_click(lambda _: self.save(self.save_path.value))
 
         self.tabs = W.Tab(children=[
             self.overview_box,
@@ -142,7 +145,7 @@ class Workbench(W.VBox):
                 self.op_filter, self.op_select, self.explain_html, W.HBox([self.strategy_select, self.pin_button, self.unpin_button]),
                 W.HBox([self.stage_layers, self.stage_submeshes, self.stages_button, self.unpin_stages_button]), self.table_html,
             ]),
-            W.VBox([self.undo_button, self.changes_html]),
+            W.VBox([W.HBox([self.undo_button, self.save_path, self.save_button]), self.changes_html]),
         ])
         for i, name in enumerate(("Overview", "Sharding", "Timeline", "Traffic", "Strategies", "Changes")):
             self.tabs.set_title(i, name)
@@ -439,6 +442,13 @@ class Workbench(W.VBox):
         return self.result
 
     # ----- export ----------------------------------------------------------------------
+    def save(self, path: str | Path) -> bool:
+        """Write the current plan as JSON (``Plan.load`` / ``PipelinePlan.load``, then ``step.use``, bring it back)."""
+        if not self._guard(lambda: self.plan.save(path)):
+            return False
+        self.status.value = f"saved the plan to {html.escape(str(path))}"
+        return True
+
     def export_chrome_trace(self, path: str | Path) -> Path:
         """Write the timeline (predicted and measured) as Chrome trace JSON; Perfetto opens it."""
         path = Path(path)
