@@ -136,7 +136,8 @@ class Explanation:
     merged_into: str
 
     def __str__(self) -> str:
-        lines = [f"{self.op.name} ({self.op.primitive}, {self.op.label or 'no label'}): chose {self.op.strategy!r}"]
+        what = ", ".join(x for x in (self.op.primitive or self.op.kind, self.op.label) if x)
+        lines = [f"{self.op.name} ({what}): chose {self.op.strategy!r}"]
         if self.merged_into != self.op.name:
             lines.append(f"  merged into {self.merged_into!r}: it follows that op's layout (Alpa sec. 4.2)")
         lines.append("  strategy                              own cost    resharding  total")

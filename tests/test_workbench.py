@@ -318,3 +318,18 @@ def test_save_button_writes_the_current_plan(gpt, tmp_path):
     wb.save_path.value = str(tmp_path / "no" / "such" / "dir" / "p.json")
     wb.save_button.click()
     assert "No such file or directory" in wb.last_error and wb.plan is plan  # reported; nothing is lost
+
+
+def test_traffic_tab_opens_on_the_busiest_link_with_its_unit_tasks(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    tr = views.traffic(plan)
+    a, b = wb.traffic_cell.value
+    assert tr.mesh_bytes[a][b] == max(max(row) for row in tr.mesh_bytes)
+    shown = wb.traffic_tasks.value
+    for t in tr.transfers[(a, b)]:
+        assert t.name.replace("<", "&lt;").replace(">", "&gt;") in shown
+    assert "senders" in shown and "receivers" in shown
+    # the op picker opens on the costliest op, and the heatmap follows it
+    heaviest = max(views.strategy_rows(plan), key=lambda r: r.cost)
+    assert wb.op_select.value == heaviest.name

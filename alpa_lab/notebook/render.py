@@ -45,7 +45,7 @@ def _ms(seconds: float) -> str:
 def overview_figure(ov: Overview) -> go.Figure:
     """Left: hosts x devices coloured by stage. Middle: time split per stage. Right: memory."""
     fig = make_subplots(
-        rows=1, cols=3, column_widths=[0.3, 0.4, 0.3],
+        rows=1, cols=3, column_widths=[0.3, 0.4, 0.3], horizontal_spacing=0.09,
         subplot_titles=("devices (host x device), by stage", "predicted time per step", "memory per device"),
     )
     z = [[-1 if s is None else s for s in row] for row in ov.device_stage]
@@ -124,6 +124,10 @@ def heatmap_figure(info: TensorInfo, tiles: Sequence[Tile]) -> go.Figure:
     fig.update_xaxes(tickvals=list(range(cols)), row=1, col=1, title_text="mesh axis 1")
     fig.update_yaxes(autorange="reversed", row=1, col=2, title_text=f"dim 0 (size {n_rows})")
     fig.update_xaxes(title_text=f"last dim (size {n_cols})", row=1, col=2)
+    if len(ys) <= 16:  # few cells: a tick per cell, not fractional ones
+        fig.update_yaxes(tickvals=ys, row=1, col=2)
+    if len(xs) <= 16:
+        fig.update_xaxes(tickvals=xs, row=1, col=2)
     fig.update_layout(
         height=300, margin=dict(l=40, r=20, t=40, b=40),
         title=dict(text=f"{html.escape(info.name)}: {info.spec} ({info.dtype}) on stage {info.stage}", font=dict(size=13)),
@@ -186,6 +190,11 @@ _STYLE = (
     ".alpa-lab th{background:#f4f4f4}.alpa-lab .dev{width:46px;height:22px;text-align:center;color:#fff}"
     ".alpa-lab h4{margin:8px 0 2px 0;font:bold 13px sans-serif}</style>"
 )
+
+
+def styled(fragment: str) -> str:
+    """An HTML fragment with the workbench's table style (for the widget's HTML panes)."""
+    return f'<div class="alpa-lab">{_STYLE}{fragment}</div>'
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

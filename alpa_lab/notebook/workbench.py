@@ -224,7 +224,8 @@ class Workbench(W.VBox):
         steady = self.measured_steps[1:] or self.measured_steps  # the first step compiles
         median = f"{render._ms(statistics.median(steady))} (median of {len(steady)}; first step with compiling "
         rows.append(["step", render._ms(self.plan.estimated_step_time), median + f"{render._ms(self.measured_steps[0])})"])
-        return "<b>measured against predicted</b>" + render._table(["stage", "predicted", "measured (last step)"], rows)
+        table = render._table(["stage", "predicted", "measured (last step)"], rows)
+        return render.styled("<b>measured against predicted</b>" + table)
 
     def _draw_traffic(self) -> None:
         if not self.pipelined:
@@ -240,6 +241,8 @@ class Workbench(W.VBox):
             _figure(render.traffic_figure(tr.host_bytes, hosts, "bytes per step between hosts")),
         ]
         self.traffic_cell.options = [(f"mesh {a} -> mesh {b}: {render._fmt_bytes(tr.mesh_bytes[a][b])}", (a, b)) for a, b in tr.cells]
+        if tr.cells and self.traffic_cell.value not in tr.cells:
+            self.traffic_cell.value = max(tr.cells, key=lambda c: tr.mesh_bytes[c[0]][c[1]])  # the busiest link first
         self._show_traffic_cell()
 
     def _show_traffic_cell(self) -> None:
@@ -247,14 +250,14 @@ class Workbench(W.VBox):
         if not self.pipelined or cell is None:
             self.traffic_tasks.value = ""
             return
-        self.traffic_tasks.value = render.traffic_cell_html(self._traffic, cell)
+        self.traffic_tasks.value = render.styled(render.traffic_cell_html(self._traffic, cell))
 
     def _fill_ops(self) -> None:
         """The op picker and the table, narrowed to ops whose name, label or strategy has the filter text."""
         text = self.op_filter.value.strip().lower()
         rows = [r for r in self._rows if not text or text in r.name.lower() or text in r.label.lower() or text in r.strategy.lower()]
         note = f"<i>{len(rows)} of {len(self._rows)} ops and arguments" + (f" match {html.escape(text)!r}" if text else "") + "</i>"
-        self.table_html.value = note + render.strategy_html(views.collapse_repeated(rows))
+        self.table_html.value = render.styled(note + render.strategy_html(views.collapse_repeated(rows)))
         options = [
             (f"stage {r.stage}" + ("" if r.layer is None else f" / layer {r.layer}") + f" / {r.name}: {r.strategy}"
              + (" (pinned)" if r.pinned else ""), r.name)
@@ -263,7 +266,8 @@ class Workbench(W.VBox):
         current = self.op_select.value
         self.op_select.options = options
         values = [v for _, v in options]
-        self.op_select.value = current if current in values else (values[0] if values else None)
+        heaviest = max(rows[:2000], key=lambda r: r.cost).name if values else None  # the default: the costliest op
+        self.op_select.value = current if current in values else heaviest
         self._show_op()
 
     def _stage_plan_of(self, op: str) -> Plan:
