@@ -114,7 +114,7 @@ class ParallelizeMagics(Magics):
         self.last_step = step
         if not names:
             return None
-        with tqdm(desc="planning", unit=" pass", bar_format="{desc}: {n_fmt} passes [{elapsed}] {postfix}") as bar:
+        with tqdm(desc="planning", bar_format="{desc} [{elapsed}] {postfix}") as bar:
 
             def progress(msg: str) -> None:
                 bar.set_postfix_str(msg)

@@ -333,10 +333,19 @@ def plan_pipeline(
     N, M = cluster.hosts, cluster.devices_per_host
     memory = cluster.device_memory
 
+    solved_before, last_report = len(problem.layer_costs), [time.perf_counter()]
+
+    def report() -> None:  # at most twice a second: how many layer ILPs this plan has solved
+        if progress and time.perf_counter() - last_report[0] > 0.5:
+            last_report[0] = time.perf_counter()
+            progress(f"layer costs: {len(problem.layer_costs) - solved_before} intra-op ILPs solved "
+                     f"({len(problem.layer_costs)} cached)")
+
     def cost(start: int, end: int, submesh: Shape, logical: Shape) -> StageCost | None:
         if logical_meshes == "single_node_model_parallel" and M % logical[1]:
             return None
         fast = problem.stage_cost(start, end, submesh, logical, method)
+        report()
         if fast is None:
             return None
         options = [StageCost(fast.time, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
