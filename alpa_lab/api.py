@@ -17,7 +17,7 @@ import jax
 from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
-from alpa_lab.graph.trace import _path_str, trace
+from alpa_lab.graph.trace import TraceError, _path_str, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, solve_method
 from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline
@@ -309,7 +309,12 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
     data (a scalar learning rate, a key) is passed whole to every micro-batch.
     """
     flat, tree = jax.tree_util.tree_flatten_with_path(args)
-    out = jax.eval_shape(fn, *args)
+    try:
+        out = jax.eval_shape(fn, *args)
+    except Exception as exc:  # the user's own code failed: say so, keep their traceback
+        raise TraceError(
+            f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: {type(exc).__name__}: {exc}"
+        ) from exc
     state = {
         _path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
     }

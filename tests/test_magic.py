@@ -108,3 +108,22 @@ def test_workbench_name_max_stages_and_device_memory(ip):
     assert ip.user_ns["wb1"] is wb and wb.plan is ip.user_ns["one_stage"]
     assert wb.plan.num_stages == 1 and wb.plan.cluster["device_memory"] == 2 * 2**30
     assert ip.user_ns["train_step"].max_stages == 1
+
+
+@pytest.mark.parametrize("pipelined", ["", "--microbatches 4 "])
+def test_an_error_in_the_step_shows_the_users_line_only(ip, capsys, pipelined):
+    ip.user_ns["kept"] = "previous plan"
+    cell = "def train_step(state, batch):\n    x = batch['no_such_key']\n    return state, x\n"
+    ip.run_cell_magic("parallelize", f"--cluster local:2x4 {pipelined}--args state,batch --name kept", cell)
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "x = batch['no_such_key']" in text and "KeyError" in text
+    assert "alpa_lab" not in text.split("KeyError")[1].split("%%parallelize:")[0]  # no library frames
+    assert "the step was not planned" in text and ip.user_ns["kept"] == "previous plan"
+
+
+def test_a_step_that_cannot_be_planned_as_asked_is_a_usage_error(ip):
+    ip.user_ns["kept"] = "previous plan"
+    with pytest.raises(UsageError, match="microbatches=3 does not divide the batch size"):
+        ip.run_cell_magic("parallelize", "--cluster local:2x4 --microbatches 3 --args state,batch --name kept", CELL)
+    assert ip.user_ns["kept"] == "previous plan"

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import sys
+import types
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -20,11 +23,17 @@ from tqdm.auto import tqdm
 
 import alpa_lab as al
 from alpa_lab.cli import parse_cluster
+from alpa_lab.graph.trace import TraceError
 from alpa_lab.passes.schedule import SCHEDULES
 
 __all__ = ["ParallelizeMagics", "load_ipython_extension"]
 
 _UNSET = object()
+
+
+def _library_file(filename: str) -> bool:
+    """Frames of alpa_lab, JAX, flax and the standard library are not the user's."""
+    return "site-packages" in filename or f"{os.sep}alpa_lab{os.sep}" in filename or filename.startswith(sys.prefix)
 
 
 def _defined_function(cell: str) -> str:
@@ -120,7 +129,13 @@ class ParallelizeMagics(Magics):
                 bar.set_postfix_str(msg)
                 bar.update(1)
 
-            plan = step.plan(*(ns[a] for a in names), progress=progress)
+            try:
+                plan = step.plan(*(ns[a] for a in names), progress=progress)
+            except TraceError as err:  # the user's step failed: show their error at their line, not ours
+                self._show_user_error(err)
+                return None
+            except ValueError as err:  # the step cannot be planned as asked: say what to change
+                raise UsageError(f"%%parallelize: {err}") from None
         bind = (lambda p: ns.__setitem__(opts.name, p)) if opts.name else None
         if bind:
             bind(plan)
@@ -132,6 +147,23 @@ class ParallelizeMagics(Magics):
         if opts.workbench:
             ns[opts.workbench] = self.last_workbench
         return self.last_workbench  # the cell's result: shown, and ``_`` in the next cell
+
+    def _show_user_error(self, err: TraceError) -> None:
+        """The exception the user's step raised, with only the user's own frames in its traceback."""
+        cause = err.__cause__ if err.__cause__ is not None else err
+        frames = []
+        tb = cause.__traceback__
+        while tb is not None:
+            if not _library_file(tb.tb_frame.f_code.co_filename):
+                frames.append(tb)
+            tb = tb.tb_next
+        user_tb = None
+        for t in reversed(frames):
+            user_tb = types.TracebackType(user_tb, t.tb_frame, t.tb_lasti, t.tb_lineno)
+        cause.__cause__ = cause.__context__ = None
+        cause.__suppress_context__ = True
+        self.shell.showtraceback((type(cause), cause, user_tb), tb_offset=0)
+        print(f"%%parallelize: {err}; the step was not planned (fix the cell and run it again)", file=sys.stderr)
 
     @staticmethod
     def _cluster(text: str | None) -> al.ClusterSpec:
