@@ -271,7 +271,8 @@ class ParallelizedStep:
                     "re-plan with step.plan(*args)"
                 )
             if self._compiled is None or getattr(self._compiled, "plan", None) is not plan:
-                sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+                meshes = plan.num_meshes if plan.num_meshes < plan.num_stages else None
+                sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_meshes=meshes)
                 old = self._compiled
                 if (
                     isinstance(old, CompiledPipeline)

@@ -674,8 +674,11 @@ class PipelinePlan:
 
     @property
     def memory_per_device(self) -> float:
-        """Bytes on the fullest device (eq. 5 per stage; ``stages[i].memory_per_device``)."""
-        return max(st.memory_per_device for st in self.stages)
+        """Bytes on the fullest device (eq. 5 per stage; interleaved stages on one mesh add up)."""
+        on_mesh: dict[tuple[int, ...], float] = {}
+        for st in self.stages:
+            on_mesh[st.device_ids] = on_mesh.get(st.device_ids, 0.0) + st.memory_per_device
+        return max(on_mesh.values())
 
     @property
     def bubble_fraction(self) -> float:
@@ -737,9 +740,23 @@ class PipelinePlan:
         check_memory(results, ClusterSpec(**self.cluster))
         return dataclasses.replace(self, stages=results, timeline=timeline, stage_pins=stage_pins, schedule=schedule)
 
-    def with_schedule(self, schedule: str) -> PipelinePlan:
-        """The same stages run with another schedule (re-simulated; memory re-checked, eq. 5)."""
-        return self._replan(self._current_stages(), dict(self.pins), self.stage_pins, schedule)
+    def with_schedule(self, schedule: str, chunks: int = 2) -> PipelinePlan:
+        """The same stages run with another schedule (re-simulated; memory re-checked, eq. 5).
+
+        ``"interleaved_1f1b"`` keeps the stages' meshes and cuts the layers into ``chunks``
+        virtual stages per mesh (Megatron-LM's interleaving); each is planned on its mesh.
+        """
+        from alpa_lab.passes.pipeline import interleave
+
+        stages = self._current_stages()
+        if schedule == "interleaved_1f1b" and self.num_meshes == self.num_stages:
+            stages = interleave(stages, self.num_layers, chunks)
+        return self._replan(stages, dict(self.pins), self.stage_pins, schedule)
+
+    @property
+    def num_meshes(self) -> int:
+        """Distinct sub-meshes: ``num_stages``, or fewer when stages are interleaved."""
+        return len({st.device_ids for st in self.stages})
 
     def _current_stages(self) -> list:
         return [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in self.stages]
@@ -762,16 +779,22 @@ class PipelinePlan:
         return self._replan(stages, dict(self.pins), True)
 
     def unpin_stages(self) -> PipelinePlan:
-        """A new plan whose stages the DP chooses again (layer costs come from the cache); op pins are kept."""
+        """A new plan whose stages the DP chooses again (layer costs come from the cache); op pins are kept.
+
+        An interleaved plan is re-planned with 1F1B's stages, then interleaved with as many chunks.
+        """
         from alpa_lab.cost.cluster import ClusterSpec
-        from alpa_lab.passes.pipeline import plan_pipeline
+        from alpa_lab.passes.pipeline import interleave, plan_pipeline
 
         problem = self._require_problem()
+        interleaved = self.schedule == "interleaved_1f1b"
         _, stages, _ = plan_pipeline(
-            problem.graph, ClusterSpec(**self.cluster), num_microbatches=self.num_microbatches, schedule=self.schedule,
-            method=self.method, problem=problem,
+            problem.graph, ClusterSpec(**self.cluster), num_microbatches=self.num_microbatches,
+            schedule="1f1b" if interleaved else self.schedule, method=self.method, problem=problem,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
+        if interleaved:
+            chosen = interleave(chosen, self.num_layers, self.num_stages // self.num_meshes)
         return self._replan(chosen, dict(self.pins), False)
 
     def pin(self, op: str, strategy: str) -> PipelinePlan:

@@ -349,18 +349,50 @@ def test_stage_construction_respects_eq5_for_the_schedule():
         al.parallelize(ex.train_step, cluster=tiny, microbatches=8, layers=4, schedule="gpipe").plan(*ex.args)
 
 
-def test_interleaved_schedule_is_refused_for_stage_plans():
-    with pytest.raises(InterOpError, match="interleaved"):
+def test_the_stage_dp_refuses_interleaved_and_says_how_to_get_it():
+    with pytest.raises(InterOpError, match=r"with_schedule\('interleaved_1f1b', chunks=2\)"):
         al.parallelize(tiny_example("mlp").train_step, cluster=LOCAL, microbatches=4, schedule="interleaved_1f1b")
 
 
-def test_runtime_refuses_several_stages_per_mesh(pipelined_steps):
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_interleaved_1f1b_trains_like_the_reference(name, pipelined_steps, references):
+    """Two meshes x two chunks: virtual stage j holds layer j and runs on mesh j % 2 (Megatron)."""
+    ex = tiny_example(name)
+    step = pipelined_steps[name]
+    base = step.current_plan.pin_stages(STAGINGS[2], submeshes=[(1, 4), (1, 4)])
+    plan = base.with_schedule("interleaved_1f1b", chunks=2)
+    assert plan.num_stages == 4 and plan.num_meshes == 2
+    assert [st.layers for st in plan.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [st.device_ids for st in plan.stages] == [base.stages[j % 2].device_ids for j in range(4)]
+    # eq. 5 per mesh: the two chunks on a mesh add up
+    assert plan.memory_per_device == max(
+        plan.stages[p].memory_per_device + plan.stages[p + 2].memory_per_device for p in range(2)
+    )
+    step.use(plan)
+    state = ex.state
+    for k in range(STEPS):
+        state, loss = step(state, ex.batch)
+        ref_state, ref_loss = references[name][k]
+        assert_close(loss, ref_loss, f"{name} interleaved step {k} loss")
+        assert_close(state, ref_state, f"{name} interleaved step {k} state")
+    # an interleaved plan edits like any other, and leaving it needs contiguous stages again
+    op = next(o for o in plan.stages[3].plan.ops if o.kind == "op" and o.num_strategies > 1)
+    other = next(a.strategy for a in plan.stages[3].plan.explain(op.name).alternatives if not a.chosen)
+    assert plan.pin(op.name, other).stages[3].plan.op(op.name).strategy == other
+    with pytest.raises(InterOpError, match="share 2 meshes"):
+        plan.with_schedule("1f1b")
+    with pytest.raises(InterOpError, match="needs at least 8 layers"):
+        base.with_schedule("interleaved_1f1b", chunks=4)
+    step.use(base)
+
+
+def test_runtime_refuses_stages_off_their_schedule_mesh(pipelined_steps):
     from alpa_lab.passes.schedule import make_schedule
     from alpa_lab.runtime.pipeline import compile_pipeline
 
-    plan = pipelined_steps["mlp"].current_plan.pin_stages(STAGINGS[2])
-    interleaved = make_schedule("interleaved_1f1b", 2, MICROBATCHES, num_meshes=1)
-    with pytest.raises(PipelineRunError, match="several stages on one mesh"):
+    plan = pipelined_steps["mlp"].current_plan.pin_stages(STAGINGS[4])  # 4 stages on 4 sub-meshes
+    interleaved = make_schedule("interleaved_1f1b", 4, MICROBATCHES, num_meshes=2)  # wants stage 2 on stage 0's mesh
+    with pytest.raises(PipelineRunError, match="the schedule puts it on the mesh of stage 0"):
         compile_pipeline(plan.problem.graph, plan.problem.slicing, plan.stages, interleaved, ())
 
 

@@ -209,9 +209,14 @@ def test_conflicting_edits_keep_the_last_good_plan(gpt):
         assert wb.plan is good and wb.last_error
     assert not wb.pin("no_such_op", "RR") and "no_such_op" in wb.last_error and wb.plan is good
     assert not wb.pin(merged.merged_into, "not a strategy") and wb.plan is good
-    wb.schedule_select.value = "interleaved_1f1b"  # stage plans cannot take it: refused, dropdown reset
-    assert wb.plan is good and wb.schedule_select.value == plan.schedule and wb.last_error
     assert bound == [good] and step.current_plan is good
+    # interleaving keeps the meshes and cuts 2 chunks per mesh; leaving it for a one-stage-per-mesh
+    # schedule is refused (the chunks are not contiguous) and the dropdown snaps back
+    wb.schedule_select.value = "interleaved_1f1b"
+    interleaved = wb.plan
+    assert interleaved.num_stages == 4 and interleaved.num_meshes == 2 and bound[-1] is interleaved
+    wb.schedule_select.value = "gpipe"
+    assert wb.plan is interleaved and wb.schedule_select.value == "interleaved_1f1b" and "share 2 meshes" in wb.last_error
     step.current_plan = plan
 
 
@@ -333,3 +338,26 @@ def test_traffic_tab_opens_on_the_busiest_link_with_its_unit_tasks(gpt):
     # the op picker opens on the costliest op, and the heatmap follows it
     heaviest = max(views.strategy_rows(plan), key=lambda r: r.cost)
     assert wb.op_select.value == heaviest.name
+
+
+def test_overview_of_an_interleaved_plan_shares_each_mesh(gpt):
+    _, _, plan = gpt
+    inter = plan.with_schedule("interleaved_1f1b")
+    ov = views.overview(inter)
+    for mesh in range(2):
+        on_mesh = [row for row in ov.stages if row.device_ids == inter.stages[mesh].device_ids]
+        assert len(on_mesh) == 2
+        total = sum(r.compute + r.communication + r.bubble for r in on_mesh)
+        assert total == pytest.approx(inter.timeline.makespan, rel=1e-9)
+        d = inter.stages[mesh].device_ids[0]
+        assert ov.device_labels[d // 4][d % 4] == f"stages {mesh},{mesh + 2}"
+    assert "stages 0,2" in Workbench(inter).to_html()
+
+
+def test_unpin_stages_keeps_interleaving_or_says_why_not(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan.with_schedule("interleaved_1f1b"), step)
+    inter = wb.plan
+    # the DP's own stages for this 4-layer step are 4, too many to cut into 2 chunks each: refused, plan kept
+    assert not wb.unpin_stages() and "needs at least 8 layers" in wb.last_error and wb.plan is inter
+    step.current_plan = plan

@@ -49,7 +49,7 @@ def overview_figure(ov: Overview) -> go.Figure:
         subplot_titles=("devices (host x device), by stage", "predicted time per step", "memory per device"),
     )
     z = [[-1 if s is None else s for s in row] for row in ov.device_stage]
-    text = [[("idle" if s is None else f"stage {s}") for s in row] for row in ov.device_stage]
+    text = [list(row) for row in ov.device_labels]
     n = max(len(ov.stages), 1)
     scale = [[0.0, IDLE], [1.0 / (n + 1), IDLE]]
     for i in range(n):
@@ -206,8 +206,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def overview_html(ov: Overview) -> str:
     grid = "".join(
         "<tr><th>host %d</th>%s</tr>"
-        % (h, "".join(f'<td class="dev" style="background:{colour(s)}">{"-" if s is None else s}</td>' for s in row))
-        for h, row in enumerate(ov.device_stage)
+        % (h, "".join(f'<td class="dev" style="background:{colour(s)}">{html.escape(label)}</td>' for s, label in zip(row, labels)))
+        for h, (row, labels) in enumerate(zip(ov.device_stage, ov.device_labels))
     )
     rows = [
         [

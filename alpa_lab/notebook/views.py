@@ -75,6 +75,8 @@ class Overview:
     capacity: float
     schedule: str
     num_microbatches: int
+    device_labels: tuple[tuple[str, ...], ...] = ()
+    """[host][local device] -> "stage 2", "stages 0,2" (interleaved) or "idle"."""
 
 
 def _split_busy(busy: float, plan: Plan) -> tuple[float, float]:
@@ -90,6 +92,7 @@ def overview(plan: Plan | PipelinePlan) -> Overview:
     hosts, per_host = int(c["hosts"]), int(c["devices_per_host"])
     capacity = float(c["device_memory"])
     stage_of_device: dict[int, int] = {}
+    stages_on: dict[int, list[int]] = {}
     rows = []
     if isinstance(plan, PipelinePlan):
         makespan = plan.timeline.makespan
@@ -97,16 +100,23 @@ def overview(plan: Plan | PipelinePlan) -> Overview:
         for r in plan.timeline.records:
             if r.kind == "RUN":
                 busy[r.stage] += r.end - r.start
+        mesh_busy: dict[tuple[int, ...], float] = {}
+        for st in plan.stages:
+            mesh_busy[st.device_ids] = mesh_busy.get(st.device_ids, 0.0) + busy[st.index]
         for st in plan.stages:
             compute, comm = _split_busy(busy[st.index], st.plan)
+            # a mesh's idle time, shared among the (interleaved) stages on it by their busy time
+            share = busy[st.index] / mesh_busy[st.device_ids] if mesh_busy[st.device_ids] > 0 else 1.0
             rows.append(
                 StageSummary(
                     st.index, (st.layers[0], st.layers[1] - 1), st.submesh_shape, st.logical_shape, st.device_ids,
-                    compute, comm, max(makespan - busy[st.index], 0.0), st.apply_time, st.memory_per_device, capacity,
-                    st.plan.method,
+                    compute, comm, max(makespan - mesh_busy[st.device_ids], 0.0) * share, st.apply_time,
+                    st.memory_per_device, capacity, st.plan.method,
                 )
             )
-            stage_of_device.update({d: st.index for d in st.device_ids})
+            for d in st.device_ids:
+                stage_of_device.setdefault(d, st.index)
+                stages_on.setdefault(d, []).append(st.index)
         schedule, micro = plan.schedule, plan.num_microbatches
     else:
         rows.append(
@@ -116,12 +126,22 @@ def overview(plan: Plan | PipelinePlan) -> Overview:
             )
         )
         stage_of_device.update({d: 0 for d in plan.device_ids})
+        stages_on.update({d: [0] for d in plan.device_ids})
         schedule, micro = "", 1
     grid = tuple(tuple(stage_of_device.get(h * per_host + d) for d in range(per_host)) for h in range(hosts))
+    labels = tuple(
+        tuple(_device_label(stages_on.get(h * per_host + d, [])) for d in range(per_host)) for h in range(hosts)
+    )
     return Overview(
         str(c.get("name", "")), hosts, per_host, grid, tuple(rows), plan.estimated_step_time, plan.memory_per_device,
-        capacity, schedule, micro,
+        capacity, schedule, micro, labels,
     )
+
+
+def _device_label(stages: list[int]) -> str:
+    if not stages:
+        return "idle"
+    return f"stage {stages[0]}" if len(stages) == 1 else "stages " + ",".join(map(str, stages))
 
 
 # ---------------------------------------------------------------------------------------

@@ -250,8 +250,12 @@ def plan_stages(
     method: str = "alpa",
     pins: Mapping[str, str] | None = None,
 ) -> tuple[tuple[StageResult, ...], Timeline]:
-    """Plan each stage (layers, sub-mesh, logical mesh, devices) and simulate the schedule."""
-    sched = make_schedule(schedule, len(stages), num_microbatches)
+    """Plan each stage (layers, sub-mesh, logical mesh, devices) and simulate the schedule.
+
+    Stages that share devices are the virtual stages of an interleaved plan: stage j must
+    then run on mesh j % P (P distinct meshes), as ``interleaved_1f1b`` places them.
+    """
+    sched = make_schedule(schedule, len(stages), num_microbatches, num_meshes=_num_meshes(stages, schedule))
     report = check(sched)
     deferred: set[str] = set()
     if sched.split_backward:
@@ -462,8 +466,8 @@ def in_flight_rule(schedule: str, num_microbatches: int) -> Callable[[int], int]
     }
     if schedule not in rules:
         raise InterOpError(
-            f"schedule {schedule!r} cannot be planned as one stage per sub-mesh; plan with one of "
-            f"{', '.join(rules)} (interleaved 1F1B is simulated by passes.schedule only)"
+            f"schedule {schedule!r} cannot be planned by the stage DP (one stage per sub-mesh); plan with one of "
+            f"{', '.join(rules)}, then plan.with_schedule('interleaved_1f1b', chunks=2) interleaves its stages"
         )
     return rules[schedule]
 
@@ -528,8 +532,59 @@ def fixed_stages(
     return out
 
 
+def _num_meshes(stages: Sequence[tuple], schedule: str) -> int | None:
+    """P for an interleaved plan (stages share meshes round-robin), None for one stage per mesh."""
+    meshes = list(dict.fromkeys(devices for *_, devices in stages))
+    if len(meshes) == len(stages):
+        return None
+    if schedule != "interleaved_1f1b":
+        raise InterOpError(
+            f"these {len(stages)} stages share {len(meshes)} meshes (an interleaved plan); schedule {schedule!r} runs "
+            "one stage per mesh: choose contiguous stages again with pin_stages(...) or unpin_stages()"
+        )
+    P = len(meshes)
+    wrong = [j for j, (*_, devices) in enumerate(stages) if devices != meshes[j % P]]
+    if wrong:
+        raise InterOpError(f"interleaved stages must run on meshes in turn (stage j on mesh j % {P}); stages {wrong} do not")
+    return P
+
+
+def interleave(stages: Sequence[tuple], num_layers: int, chunks: int) -> list[tuple]:
+    """Megatron's interleaving: the layers cut into P x ``chunks`` virtual stages, stage j on mesh j % P.
+
+    ``stages`` are P contiguous stages (layers, sub-mesh, logical mesh, devices); their
+    meshes are kept, the layers re-cut evenly (the first ones get one more when they do
+    not divide).
+    """
+    P = len(stages)
+    S = P * chunks
+    if chunks < 2:
+        raise InterOpError(f"interleaving needs at least 2 chunks per mesh, got {chunks}")
+    if num_layers < S:
+        raise InterOpError(
+            f"interleaving {P} meshes x {chunks} chunks needs at least {S} layers, the step has {num_layers}: "
+            f"plan it with layers={S} (or more), or use fewer chunks"
+        )
+    sizes = [num_layers // S + (1 if j < num_layers % S else 0) for j in range(S)]
+    starts = [sum(sizes[:j]) for j in range(S)]
+    return [((starts[j], starts[j] + sizes[j]), *stages[j % P][1:]) for j in range(S)]
+
+
 def check_memory(stages: Sequence[StageResult], cluster: ClusterSpec) -> None:
-    """Eq. 5 for the chosen schedule, with a specific error naming the stage that overflows."""
+    """Eq. 5 for the chosen schedule, with a specific error naming the stage that overflows.
+
+    Virtual stages that share a mesh (interleaved) add up on its devices.
+    """
+    on_mesh: dict[tuple[int, ...], float] = {}
+    for st in stages:
+        on_mesh[st.device_ids] = on_mesh.get(st.device_ids, 0.0) + st.memory_per_device
+    for devices, total in on_mesh.items():
+        shared = [st.index for st in stages if st.device_ids == devices]
+        if len(shared) > 1 and total > cluster.device_memory:
+            raise InterOpError(
+                f"the mesh of devices {list(devices)} holds stages {shared}, which need {total / 2**30:.2f} GiB per "
+                f"device together but a device has {cluster.device_memory / 2**30:.2f} GiB: use fewer chunks or more devices"
+            )
     for st in stages:
         if st.memory_per_device > cluster.device_memory:
             raise InterOpError(

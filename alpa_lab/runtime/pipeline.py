@@ -108,11 +108,13 @@ def compile_pipeline(
     devices: list | None = None,
 ) -> CompiledPipeline:
     """Unit tasks of every stage, jitted on their sub-meshes with the stage plans' shardings."""
-    if schedule.mesh_of_stage and list(schedule.mesh_of_stage) != list(range(len(stages))):
-        raise PipelineRunError(
-            f"the runtime runs one stage per mesh (gpipe, 1f1b, eager_1f1b, zb_h1); {schedule.name!r} places "
-            "several stages on one mesh and is for planning and simulation only"
-        )
+    for st in stages:  # interleaved: stage j's devices are mesh j % P's
+        first = stages[schedule.stages_of(schedule.mesh(st.index))[0]]
+        if st.device_ids != first.device_ids:
+            raise PipelineRunError(
+                f"stage {st.index} runs on devices {list(st.device_ids)} but the schedule puts it on the mesh of stage "
+                f"{first.index} (devices {list(first.device_ids)})"
+            )
     devices = list(jax.devices()) if devices is None else list(devices)
     _check_devices(stages, devices)
     meshes = tuple(_mesh(st.device_ids, st.logical_shape, devices) for st in stages)
