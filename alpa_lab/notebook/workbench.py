@@ -378,11 +378,12 @@ class Workbench(W.VBox):
             self._setting_schedule = False
 
     def _on_pin_stages(self) -> None:
-        def parse() -> None:
-            self._pending = (_parse_ranges(self.stage_layers.value), _parse_shapes(self.stage_submeshes.value))
-
-        if self._guard(parse):
-            self.pin_stages(*self._pending)
+        try:
+            layers, submeshes = _parse_ranges(self.stage_layers.value), _parse_shapes(self.stage_submeshes.value)
+        except ValueError as err:
+            self._refuse(str(err))
+            return
+        self.pin_stages(layers, submeshes)
 
     # ----- running ---------------------------------------------------------------------
     def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> threading.Thread:
