@@ -8,7 +8,7 @@ program's extra work (collectives, constraints), not a real speed-up; on a real 
 devices run in parallel.
 
 With ``--pipeline`` it also runs each model pipelined on 2 hosts x 4 simulated devices
-(2 stages on 1x4 sub-meshes, 4 micro-batches, each schedule) against, in the same run, the
+(2 stages on 1x4 sub-meshes, 4 micro-batches, each schedule; interleaved: 2 chunks per mesh) against, in the same run, the
 single-mesh plan on all 8 devices and ``jax.jit`` on one device.
 
     python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2] [--pipeline]
@@ -71,7 +71,7 @@ def pipeline_rows(models: list[str], steps: int) -> None:
     cluster = al.ClusterSpec.local(2, 4)
     print(f"\npipelined on {cluster.name}: 2 stages (1x4 sub-meshes), 4 micro-batches; baselines: the single-mesh plan "
           f"on the same 8 devices and jax.jit on one device; medians of {steps} steps")
-    print(f"{'model':<12} {'schedule':<11} {'plan s':>7} {'compile s':>9} | {'step ms':>8} {'1 mesh':>8} {'jit':>8} | "
+    print(f"{'model':<12} {'schedule':<16} {'plan s':>7} {'compile s':>9} | {'step ms':>8} {'1 mesh':>8} {'jit':>8} | "
           f"{'vs 1 mesh':>9} {'vs jit':>7}")
     for name in models:
         config_cls, make = EXAMPLES[name]
@@ -84,10 +84,10 @@ def pipeline_rows(models: list[str], steps: int) -> None:
         t0 = time.perf_counter()
         base = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]])
         plan_s = time.perf_counter() - t0
-        for schedule in ("gpipe", "1f1b", "eager_1f1b"):
+        for schedule in ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "interleaved_1f1b"):  # interleaved: 2 chunks per mesh
             step.use(base.with_schedule(schedule))
             first, step_s = timed_steps(step, ex.state, ex.batch, steps)
-            print(f"{name:<12} {schedule:<11} {plan_s:>7.2f} {first:>9.2f} | {step_s * 1e3:>8.2f} {flat_s * 1e3:>8.2f} "
+            print(f"{name:<12} {schedule:<16} {plan_s:>7.2f} {first:>9.2f} | {step_s * 1e3:>8.2f} {flat_s * 1e3:>8.2f} "
                   f"{jit_s * 1e3:>8.2f} | {step_s / flat_s:>9.2f} {step_s / jit_s:>7.2f}", flush=True)
 
 
