@@ -282,7 +282,8 @@ class ParallelizedStep:
                 ):
                     compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan)  # same tasks
                 else:
-                    compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, self._split(*args))
+                    pieces = [plan.problem.piece(st.layers) for st in plan.stages]
+                    compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, self._split(*args), pieces=pieces)
                     compiled.plan = plan
                 self._compiled = compiled
             return self._compiled

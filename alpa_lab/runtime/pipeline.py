@@ -106,8 +106,12 @@ def compile_pipeline(
     schedule: Schedule,
     split: Sequence[bool],
     devices: list | None = None,
+    pieces: Sequence[Any] | None = None,
 ) -> CompiledPipeline:
-    """Unit tasks of every stage, jitted on their sub-meshes with the stage plans' shardings."""
+    """Unit tasks of every stage, jitted on their sub-meshes with the stage plans' shardings.
+
+    ``pieces``: the stages' programs if already cut (``PipelineProblem.piece``).
+    """
     for st in stages:  # interleaved: stage j's devices are mesh j % P's
         first = stages[schedule.stages_of(schedule.mesh(st.index))[0]]
         if st.device_ids != first.device_ids:
@@ -122,7 +126,7 @@ def compile_pipeline(
 
     # the sharding each stage gives every tensor it touches (its plan, by op name and path)
     op_plans = [{o.name: o for o in st.plan.ops if o.kind == "op"} for st in stages]
-    spec = stage_tensor_specs(graph, slicing, stages)
+    spec = stage_tensor_specs(graph, slicing, stages, pieces)
 
     def unit(stage: int, phase: str, ops: list[int]) -> UnitTask:
         piece = subgraph(graph, ops)
