@@ -8,7 +8,8 @@ its inlining of jit/custom_jvp/custom_vjp/checkpoint, kept the program's meaning
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, MutableMapping, Sequence
 
 import jax
 
@@ -18,6 +19,8 @@ OutputHook = Callable[[Op, list[Any]], list[Any]]
 """(op, its output values) -> the values the rest of the program sees."""
 InputHook = Callable[[Op, list[Any]], list[Any]]
 """(op, its operand values) -> the values the op is applied to."""
+BeforeHook = Callable[[Op, MutableMapping[int, Any]], None]
+"""(op, every value so far by var id) -> None; may replace values for this op and all after it."""
 
 
 def evaluate(
@@ -25,10 +28,14 @@ def evaluate(
     flat_args: Sequence[Any],
     on_output: OutputHook | None = None,
     on_input: InputHook | None = None,
+    before: BeforeHook | None = None,
+    scoped: bool = False,
 ) -> list[Any]:
     """The graph's flat outputs for ``flat_args`` (its flat inputs, in ``graph.invars`` order).
 
-    Works eagerly and under ``jax.jit`` (values may be tracers).
+    Works eagerly and under ``jax.jit`` (values may be tracers). With ``scoped`` each op is
+    bound under its own module path (``jax.named_scope(op.label)``), so a re-trace of the
+    result keeps the labels that repeated-block reuse reads.
     """
     if len(flat_args) != len(graph.invars):
         raise ValueError(f"the graph takes {len(graph.invars)} flat arguments, got {len(flat_args)}")
@@ -36,10 +43,13 @@ def evaluate(
     env.update(graph.literals)
     env.update(zip(graph.invars, flat_args))
     for op in graph.ops:
+        if before is not None:
+            before(op, env)
         args = [env[i] for i in op.inputs]
         if on_input is not None:
             args = list(on_input(op, args))
-        out = op.bind.bind(*args, **op.params)
+        with jax.named_scope(op.label) if scoped and op.label else contextlib.nullcontext():
+            out = op.bind.bind(*args, **op.params)
         outs = list(out) if op.bind.multiple_results else [out]
         if on_output is not None:
             outs = list(on_output(op, outs))

@@ -24,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
+from alpa_lab.graph.evaluate import evaluate
+from alpa_lab.graph.opgraph import Op
 
 __all__ = ["KINDS", "LOSS", "auto_layers", "grad", "mark_stage_boundary", "pipeline_marker_p", "value_and_grad"]
 
@@ -230,26 +233,25 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
         last_use[v] = K
     cuts = {b: k for k, b in enumerate(bounds[1:-1], start=1)}
 
+    live: list[int] = []  # op-produced values some later op (or the result) reads
+
+    def mark_cut(op: Op, env: MutableMapping[int, Any]) -> None:
+        if op.index in cuts:
+            live[:] = [v for v in live if last_use.get(v, -1) >= op.index]
+            for v in live:  # one marker per tensor: each keeps its own sharding
+                if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact):
+                    env[v] = mark([env[v]], "boundary", f"layer{cuts[op.index]}")[0]
+
+    def produced(op: Op, outs: list[Any]) -> list[Any]:
+        live.extend(op.outputs)
+        return outs
+
     def layered(*a: Any) -> Any:
-        flat = jax.tree_util.tree_leaves(a)
-        env: dict[int, Any] = dict(graph.consts)
-        env.update(graph.literals)
-        env.update(zip(graph.invars, flat))
-        live: list[int] = []  # op-produced values some later op (or the result) reads
-        for op in graph.ops:
-            if op.index in cuts:
-                live = [v for v in live if last_use.get(v, -1) >= op.index]
-                for v in live:  # one marker per tensor: each keeps its own sharding
-                    if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact):
-                        env[v] = mark([env[v]], "boundary", f"layer{cuts[op.index]}")[0]
-            # under the op's own module path, so labels (and the repeated-block reuse that
-            # reads them) survive the re-run
-            with jax.named_scope(op.label) if op.label else contextlib.nullcontext():
-                out = op.bind.bind(*(env[v] for v in op.inputs), **op.params)
-            outs = list(out) if op.bind.multiple_results else [out]
-            env.update(zip(op.outputs, outs))
-            live.extend(op.outputs)
-        return jax.tree_util.tree_unflatten(graph.out_tree, [env[v] for v in graph.outvars])
+        live.clear()
+        # each op under its own module path, so labels (and the repeated-block reuse that
+        # reads them) survive the re-run
+        outs = evaluate(graph, jax.tree_util.tree_leaves(a), on_output=produced, before=mark_cut, scoped=True)
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return layered
 
