@@ -20,8 +20,8 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, solve_method
-from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline
-from alpa_lab.passes.schedule import SCHEDULES, make_schedule
+from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
+from alpa_lab.passes.schedule import SCHEDULES
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, make_plan
 from alpa_lab.runtime.apply import CompiledPlan, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
@@ -265,14 +265,9 @@ class ParallelizedStep:
         if isinstance(plan, PipelinePlan):
             if plan.problem is None:  # loaded and made current without arguments: attach it now
                 plan = self.use(plan, *args)
-            if plan.fingerprint != graph.fingerprint:
-                raise ValueError(
-                    "the current pipeline plan was made for another program (other argument shapes or code); "
-                    "re-plan with step.plan(*args)"
-                )
+            plan.check_program(graph)  # other shapes are another program: say so, run nothing
             if self._compiled is None or getattr(self._compiled, "plan", None) is not plan:
-                meshes = plan.num_meshes if plan.num_meshes < plan.num_stages else None
-                sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, num_meshes=meshes)
+                sched = stage_schedule(plan._current_stages(), plan.schedule, plan.num_microbatches)
                 old = self._compiled
                 if (
                     isinstance(old, CompiledPipeline)

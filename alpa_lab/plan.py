@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from alpa_lab.cost.cluster import Collective, _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
@@ -631,6 +631,14 @@ class StageResult:
         return self.weight_memory + self.in_flight * self.activation_memory
 
 
+def memory_per_mesh(stages: Sequence[StageResult]) -> dict[tuple[int, ...], float]:
+    """Bytes per device of each mesh (by its device ids): eq. 5 summed over the stages on it
+    (one stage, or an interleaved plan's virtual stages)."""
+    on_mesh: dict[tuple[int, ...], float] = {}
+    for st in stages:
+        on_mesh[st.device_ids] = on_mesh.get(st.device_ids, 0.0) + st.memory_per_device
+    return on_mesh
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -675,10 +683,7 @@ class PipelinePlan:
     @property
     def memory_per_device(self) -> float:
         """Bytes on the fullest device (eq. 5 per stage; interleaved stages on one mesh add up)."""
-        on_mesh: dict[tuple[int, ...], float] = {}
-        for st in self.stages:
-            on_mesh[st.device_ids] = on_mesh.get(st.device_ids, 0.0) + st.memory_per_device
-        return max(on_mesh.values())
+        return max(memory_per_mesh(self.stages).values())
 
     @property
     def bubble_fraction(self) -> float:

@@ -65,6 +65,17 @@ def assert_close(a, b, what: str, atol: float = ATOL) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=atol, err_msg=f"{what}: {jax.tree_util.keystr(path)}")
 
 
+def trains_like_reference(step, ex, reference, what: str):
+    """Run ``STEPS`` steps; each loss and state equals the reference's (rtol/atol above). The last state."""
+    state = ex.state
+    for k in range(STEPS):
+        state, loss = step(state, ex.batch)
+        ref_state, ref_loss = reference[k]
+        assert_close(loss, ref_loss, f"{what} step {k} loss")
+        assert_close(state, ref_state, f"{what} step {k} state")
+    return state
+
+
 def layered_graph(name: str, layers: int = 4) -> OpGraph:
     ex = tiny_example(name)
     with auto_layers(layers):
@@ -182,12 +193,7 @@ def test_pipelined_training_equals_unpipelined(name, stages, pipelined_steps, re
     assert sorted(d for st in base.stages for d in st.device_ids) == list(range(8))  # sub-meshes tile 2x4
     for schedule in SCHEDULES:
         step.use(base.with_schedule(schedule))
-        state = ex.state
-        for k in range(STEPS):
-            state, loss = step(state, ex.batch)
-            ref_state, ref_loss = references[name][k]
-            assert_close(loss, ref_loss, f"{name} {stages} stages {schedule} step {k} loss")
-            assert_close(state, ref_state, f"{name} {stages} stages {schedule} step {k} state")
+        state = trains_like_reference(step, ex, references[name], f"{name} {stages} stages {schedule}")
         # each stage's weights live on its own sub-mesh
         leaves = jax.tree_util.tree_leaves(state.params)
         assert len({frozenset(d.id for d in x.devices()) for x in leaves}) > 1
@@ -369,12 +375,7 @@ def test_interleaved_1f1b_trains_like_the_reference(name, pipelined_steps, refer
         plan.stages[p].memory_per_device + plan.stages[p + 2].memory_per_device for p in range(2)
     )
     step.use(plan)
-    state = ex.state
-    for k in range(STEPS):
-        state, loss = step(state, ex.batch)
-        ref_state, ref_loss = references[name][k]
-        assert_close(loss, ref_loss, f"{name} interleaved step {k} loss")
-        assert_close(state, ref_state, f"{name} interleaved step {k} state")
+    trains_like_reference(step, ex, references[name], f"{name} interleaved")
     # an interleaved plan edits like any other, and leaving it needs contiguous stages again
     op = next(o for o in plan.stages[3].plan.ops if o.kind == "op" and o.num_strategies > 1)
     other = next(a.strategy for a in plan.stages[3].plan.explain(op.name).alternatives if not a.chosen)

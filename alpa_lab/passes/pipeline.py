@@ -33,15 +33,18 @@ from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
 from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, solve_strategy_graph
 from alpa_lab.passes.methods import method_restrictions, solve_method
-from alpa_lab.passes.schedule import Timeline, check, make_schedule, simulate
+from alpa_lab.passes.schedule import Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
-from alpa_lab.plan import Plan, StageResult, make_plan
+from alpa_lab.plan import Plan, StageResult, make_plan, memory_per_mesh
 
 Shape = tuple[int, int]
 LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel")
 
-__all__ = ["LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages", "stage_tensor_specs"]
+__all__ = [
+    "LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages", "stage_schedule",
+    "stage_tensor_specs",
+]
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ def plan_stages(
     Stages that share devices are the virtual stages of an interleaved plan: stage j must
     then run on mesh j % P (P distinct meshes), as ``interleaved_1f1b`` places them.
     """
-    sched = make_schedule(schedule, len(stages), num_microbatches, num_meshes=_num_meshes(stages, schedule))
+    sched = stage_schedule(stages, schedule, num_microbatches)
     report = check(sched)
     deferred: set[str] = set()
     if sched.split_backward:
@@ -532,6 +535,12 @@ def fixed_stages(
     return out
 
 
+def stage_schedule(stages: Sequence[tuple], schedule: str, num_microbatches: int) -> Schedule:
+    """The schedule ``schedule`` for these stages (layers, sub-mesh, logical mesh, devices);
+    stages that share devices are interleaved (planning and the runtime both build it here)."""
+    return make_schedule(schedule, len(stages), num_microbatches, num_meshes=_num_meshes(stages, schedule))
+
+
 def _num_meshes(stages: Sequence[tuple], schedule: str) -> int | None:
     """P for an interleaved plan (stages share meshes round-robin), None for one stage per mesh."""
     meshes = list(dict.fromkeys(devices for *_, devices in stages))
@@ -575,10 +584,7 @@ def check_memory(stages: Sequence[StageResult], cluster: ClusterSpec) -> None:
 
     Virtual stages that share a mesh (interleaved) add up on its devices.
     """
-    on_mesh: dict[tuple[int, ...], float] = {}
-    for st in stages:
-        on_mesh[st.device_ids] = on_mesh.get(st.device_ids, 0.0) + st.memory_per_device
-    for devices, total in on_mesh.items():
+    for devices, total in memory_per_mesh(stages).items():
         shared = [st.index for st in stages if st.device_ids == devices]
         if len(shared) > 1 and total > cluster.device_memory:
             raise InterOpError(
