@@ -250,7 +250,6 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     done: set[tuple[int, str, int]] = set()
     needs, readers = cp.needs, cp.readers
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
-    stage_seconds = defaultdict(float)
     records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
     progress = True
     while progress:
@@ -267,7 +266,6 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
                 if cp.profile:
                     jax.block_until_ready(outs)
                 end = time.perf_counter()
-                stage_seconds[(s, phase)] += end - t
                 records.append((s, phase, mb, t - t0, end - t0))
                 for v, x in zip(task.outvars, outs):
                     store[(v, mb)] = x
@@ -309,5 +307,9 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
             out.append(graph.literals[v])
         else:
             out.append(step_values[v])
-    cp.last_timings = {"seconds": time.perf_counter() - t0, "dispatch_seconds": dict(stage_seconds), "records": records}
+    per_task: dict[tuple[int, str], float] = defaultdict(float)  # (stage, phase) -> seconds, from the records
+    for stage, phase, mb, start, end in records:
+        if mb >= 0:
+            per_task[(stage, phase)] += end - start
+    cp.last_timings = {"seconds": time.perf_counter() - t0, "dispatch_seconds": dict(per_task), "records": records}
     return out
