@@ -329,17 +329,30 @@ def test_starter_runs_in_the_kernel_and_shows_the_plan(page, lab):
     out.locator(".lm-TabBar-tab", has_text="Strategies").first.click()
     out.locator(".widget-text", has=pg.locator("label", has_text="filter")).locator("input").fill("dot_general")
     op = out.locator(".widget-dropdown", has=pg.locator("label", has_text="op")).locator("select").first
-    pg.wait_for_function("(sel) => sel.options.length > 0 && sel.value !== ''", arg=op.element_handle())
-    assert all("dot_general" in o for o in op.locator("option").all_inner_texts())
     strategy = out.locator(".widget-dropdown", has=pg.locator("label", has_text="strategy")).locator("select").first
-    pg.wait_for_function("(sel) => sel.options.length > 1", arg=strategy.element_handle())
-    other = next(o for o in strategy.locator("option").all_inner_texts() if ", chosen" not in o)
+    # The kernel answers the filter in steps (op list, then the chosen op, then its strategies and
+    # explanation): wait until the strategies shown are those of the op shown, a dot.
+    pg.wait_for_function(
+        """([el, op, strategy]) => {
+            const text = o => o.text.replace(/\u00a0/g, ' ');  // ipywidgets writes option spaces as nbsp
+            const names = Array.from(op.options).map(text);
+            const chosen = op.selectedIndex >= 0 ? text(op.options[op.selectedIndex]) : '';
+            const name = chosen.split(' / ').pop().split(':')[0];
+            const explained = Array.from(el.querySelectorAll('pre')).some(p => p.innerText.startsWith(name + ' ('));
+            return names.length > 0 && names.every(n => n.includes('dot_general')) && name.startsWith('dot_general')
+                && explained && strategy.options.length > 1;
+        }""",
+        arg=[out.element_handle(), op.element_handle(), strategy.element_handle()],
+    )
+    assert all("dot_general" in o for o in op.locator("option").all_inner_texts())
+    other = next(o for o in strategy.locator("option").all_inner_texts() if ", chosen" not in o.replace("\xa0", " "))
     strategy.select_option(label=other)
     out.locator("button", has_text="Pin").first.click()
     pg.wait_for_function("(el) => el.innerText.includes('re-solved in')", arg=out.element_handle(), timeout=60_000)
     out.locator(".lm-TabBar-tab", has_text="Changes").first.click()
     pg.wait_for_function("(el) => el.innerText.includes('ops changed strategy')", arg=out.element_handle())
     assert f"= {other.split()[0]!r}" in out.inner_text() or other.split()[0] in out.inner_text()
+    assert "\n0 ops changed strategy" not in out.inner_text()  # another strategy was pinned: the plan changed
 
 
 def _describe(cells: list[dict]) -> str:

@@ -114,7 +114,8 @@ class Workbench(W.VBox):
         self.op_filter = W.Text(placeholder="filter ops by name, label or strategy", description="filter")
         self.op_filter.observe(lambda _: self._fill_ops(), "value")
         self.op_select = W.Dropdown(description="op", options=[], layout=W.Layout(width="70%"))
-        self.op_select.observe(lambda _: self._show_op(), "value")
+        self.op_select.observe(lambda _: None if self._filling else self._show_op(), "value")
+        self._filling = False  # set while _fill_ops replaces the op list: it shows the op once, at the end
         self.strategy_select = W.Dropdown(description="strategy", options=[], layout=W.Layout(width="70%"))
         self.pin_button = W.Button(description="Pin", button_style="primary", icon="thumb-tack")
         self.pin_button.on_click(lambda _: self.pin(self.op_select.value, self.strategy_select.value))
@@ -264,10 +265,16 @@ class Workbench(W.VBox):
             for r in rows[:2000]
         ]
         current = self.op_select.value
-        self.op_select.options = options
         values = [v for _, v in options]
         heaviest = max(rows[:2000], key=lambda r: r.cost).name if values else None  # the default: the costliest op
-        self.op_select.value = current if current in values else heaviest
+        # one state message, no intermediate selection (replacing the options first selects the first one)
+        self._filling = True
+        try:
+            with self.op_select.hold_sync():
+                self.op_select.options = options
+                self.op_select.value = current if current in values else heaviest
+        finally:
+            self._filling = False
         self._show_op()
 
     def _stage_plan_of(self, op: str) -> Plan:
@@ -285,10 +292,11 @@ class Workbench(W.VBox):
             return
         ex = sp.explain(op)
         alts = sorted(ex.alternatives, key=lambda a: a.total)
-        self.strategy_select.options = [
-            (f"{a.strategy}  ({a.total * 1e6:.2f} us{', chosen' if a.chosen else ''})", a.strategy) for a in alts
-        ]
-        self.strategy_select.value = ex.op.strategy
+        with self.strategy_select.hold_sync():
+            self.strategy_select.options = [
+                (f"{a.strategy}  ({a.total * 1e6:.2f} us{', chosen' if a.chosen else ''})", a.strategy) for a in alts
+            ]
+            self.strategy_select.value = ex.op.strategy
         self.explain_html.value = f"<pre>{html.escape(str(ex))}</pre>"
         if op in self._tensors:
             self.tensor_select.value = op
