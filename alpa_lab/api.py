@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
+import numpy as np
 
 from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.markers import auto_layers
@@ -128,6 +129,7 @@ class ParallelizedStep:
         A pipelined step is traced on one micro-batch, cut into layers (``auto_layers``).
         """
         key = _signature(args)
+        self._last_args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
         if key not in self._graphs:
             if self.pipelined:
                 micro, self._splits[key] = microbatch_args(self.fn, args, self.microbatches)
@@ -292,6 +294,23 @@ class ParallelizedStep:
         graph = self.trace(*args)
         outs = compiled(*jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    def last_args(self, state: Any) -> tuple:
+        """``state`` and the other arguments (shapes only) the step was last traced with."""
+        if getattr(self, "_last_args", None) is None:
+            raise ValueError("this step was never traced: call step.plan(state, batch) first, or pass the batch")
+        return (state, *self._last_args[1:])
+
+    def launch(self, cluster: Any, state: Any, *example: Any, keep_state_every: int = 1, step_timeout: float | None = None) -> Any:
+        """Run the current plan on a Ray cluster's mesh workers (``RayCluster``); returns the ``RayRun``.
+
+        The state goes to the workers once and stays there; ``run.step(batch)`` trains,
+        ``run.state()`` fetches the state. The driver keeps a copy every ``keep_state_every``
+        steps (``run.last_state``), to launch again from if a worker dies.
+        """
+        from alpa_lab.runtime.ray_run import launch
+
+        return launch(self, cluster, state, *example, keep_state_every=keep_state_every, step_timeout=step_timeout)
 
     def compiled_hlo(self, *args: Any) -> str:
         """XLA's optimised HLO of the current plan (what XLA really runs)."""

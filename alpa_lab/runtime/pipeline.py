@@ -34,7 +34,7 @@ from alpa_lab.passes.stages import APPLY, ProgramSlicing, weight_gradient_ops
 from alpa_lab.runtime.apply import DeviceError, compile_graph
 from alpa_lab.sharding.spec import ShardingSpec
 
-__all__ = ["CompiledPipeline", "PipelineRunError", "compile_pipeline", "split_microbatches"]
+__all__ = ["CompiledPipeline", "PipelineRunError", "compile_pipeline", "split_microbatches", "walk_schedule"]
 
 
 class PipelineRunError(RuntimeError):
@@ -210,6 +210,33 @@ def split_microbatches(x: Any, num_microbatches: int) -> list[Any]:
     return [x[m * b : (m + 1) * b] for m in range(num_microbatches)]
 
 
+def walk_schedule(
+    pending: dict[int, list[tuple[str, int]]],
+    ready: Callable[[int, str, int], bool],
+    execute: Callable[[int, str, int], None],
+    wait: Callable[[], None] | None = None,
+) -> None:
+    """Run each stage's instruction list in order; a RUN goes as soon as ``ready`` says its inputs exist.
+
+    The one walk of the schedule, shared by the in-process runtime (where every input is
+    made by a stage of this process, so no progress means a deadlock) and the Ray mesh
+    workers (where ``wait`` blocks until a tensor arrives from another worker).
+    ``pending``: stage -> its (phase, micro-batch) RUNs still to go; emptied as they run.
+    """
+    while any(pending.values()):
+        progress = False
+        for s, queue in pending.items():
+            while queue and ready(s, *queue[0]):
+                execute(s, *queue[0])
+                queue.pop(0)
+                progress = True
+        if not progress and any(pending.values()):
+            if wait is None:
+                stuck = {s: q[0] for s, q in pending.items() if q}
+                raise PipelineRunError(f"the schedule deadlocked with stages waiting on {stuck}")
+            wait()
+
+
 def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     graph, sl, M = cp.graph, cp.slicing, cp.num_microbatches
     if len(flat_args) != len(graph.invars):
@@ -251,40 +278,34 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     needs, readers = cp.needs, cp.readers
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
-    progress = True
-    while progress:
-        progress = False
-        for s, queue in pending.items():
-            while queue:
-                phase, mb = queue[0]
-                if any((ps, pp, mb) not in done for ps, pp in needs[(s, phase)]):
-                    break
-                task = cp.tasks[(s, phase)]
-                ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
-                t = time.perf_counter()
-                outs = task.fn(*ins)
-                if cp.profile:
-                    jax.block_until_ready(outs)
-                end = time.perf_counter()
-                records.append((s, phase, mb, t - t0, end - t0))
-                for v, x in zip(task.outvars, outs):
-                    store[(v, mb)] = x
-                    left[(v, mb)] = readers.get(v, 0)
-                    if v in accumulated:
-                        sums[v] = x if v not in sums else sums[v] + x
-                for v in task.invars:
-                    if (v, mb) in left:
-                        left[(v, mb)] -= 1
-                        if left[(v, mb)] == 0 and v not in accumulated:
-                            del store[(v, mb)]
-                            for st in cp.stages:
-                                placed.pop((v, mb, st.index), None)
-                done.add((s, phase, mb))
-                queue.pop(0)
-                progress = True
-    stuck = {s: q[0] for s, q in pending.items() if q}
-    if stuck:
-        raise PipelineRunError(f"the schedule deadlocked with stages waiting on {stuck}")
+
+    def ready(s: int, phase: str, mb: int) -> bool:
+        return all((ps, pp, mb) in done for ps, pp in needs[(s, phase)])
+
+    def execute(s: int, phase: str, mb: int) -> None:
+        task = cp.tasks[(s, phase)]
+        ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
+        t = time.perf_counter()
+        outs = task.fn(*ins)
+        if cp.profile:
+            jax.block_until_ready(outs)
+        end = time.perf_counter()
+        records.append((s, phase, mb, t - t0, end - t0))
+        for v, x in zip(task.outvars, outs):
+            store[(v, mb)] = x
+            left[(v, mb)] = readers.get(v, 0)
+            if v in accumulated:
+                sums[v] = x if v not in sums else sums[v] + x
+        for v in task.invars:
+            if (v, mb) in left:
+                left[(v, mb)] -= 1
+                if left[(v, mb)] == 0 and v not in accumulated:
+                    del store[(v, mb)]
+                    for st in cp.stages:
+                        placed.pop((v, mb, st.index), None)
+        done.add((s, phase, mb))
+
+    walk_schedule(pending, ready, execute)
     for v, total in sums.items():
         step_values[v] = total / M if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact) else store[(v, M - 1)]
     for task in cp.update:

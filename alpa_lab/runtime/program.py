@@ -1,0 +1,263 @@
+"""What each mesh worker runs: a compiled plan cut by mesh, as plain data the driver ships once.
+
+The in-process runtime (``runtime/pipeline.py``) and the Ray runtime read the same compiled
+program: the unit tasks of ``compile_pipeline`` (or the one jitted program of
+``compile_plan``), the schedule's instruction lists and the FREE counts. This module cuts
+that description by mesh (Alpa sec. 6: one static instruction list per mesh) and adds what
+a worker needs to run its part without the driver:
+
+- its unit tasks as ``jax.export`` serialisations (StableHLO with the plan's shardings;
+  deserialised on the worker and called on its own devices: the driver never runs them);
+- its RUN lists (``schedule.runs`` of the stages on its mesh);
+- the SEND side of every cross-mesh tensor: which other workers read each tensor it makes,
+  per micro-batch or once per step (one copy per receiving worker, i.e. per receiving host:
+  the MLSys'23 broadcast, whose receiving host then holds every tile its devices need);
+- which step results (the new state, the loss) it produces, and where the new state goes.
+
+A single-mesh plan is the degenerate case: no micro-batch tasks, one "apply" task that is the
+whole step. Nothing here holds live JAX objects except in ``export_task``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+__all__ = ["MeshPlacement", "ProgramTask", "WorkerProgram", "worker_programs", "mesh_placements"]
+
+STATE = -2
+"""The micro-batch index under which a new state leaf travels to the workers that read it next step."""
+STEP = -1
+"""The micro-batch index of once-per-step tensors (averaged gradients, update results)."""
+
+
+class ProgramError(ValueError):
+    """The compiled plan cannot be cut into mesh-worker programs (says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class MeshPlacement:
+    """One mesh of the plan on the cluster: its devices (global ids), the host(s) they are on."""
+
+    mesh: int
+    device_ids: tuple[int, ...]
+    hosts: tuple[int, ...]
+    stages: tuple[int, ...]
+
+    @property
+    def local_index(self) -> dict[int, int]:
+        """Global device id -> index among this mesh's devices on its worker (sorted order)."""
+        return {d: i for i, d in enumerate(sorted(self.device_ids))}
+
+
+@dataclass(frozen=True)
+class ProgramTask:
+    """A unit task as shipped: its exported program, the tensors it reads and writes, their specs."""
+
+    stage: int
+    phase: str
+    exported: bytes = field(repr=False)
+    invars: tuple[int, ...]
+    outvars: tuple[int, ...]
+    in_specs: tuple[PartitionSpec, ...]
+
+
+@dataclass(frozen=True)
+class WorkerProgram:
+    """Everything one mesh worker needs to run its meshes' part of every step."""
+
+    worker: int
+    placement: MeshPlacement
+    stage_shapes: dict[int, tuple[int, int]]
+    """stage -> logical mesh shape (all on this worker's devices, in the stage's device order)"""
+    stage_devices: dict[int, tuple[int, ...]]
+    tasks: dict[tuple[int, str], ProgramTask]
+    runs: dict[int, tuple[tuple[str, int], ...]]
+    update: tuple[ProgramTask, ...]
+    num_microbatches: int
+    inputs: dict[int, bool]
+    """step arguments (flat var ids) read here -> is it cut into micro-batches"""
+    var_dtypes: dict[int, str]
+    accumulated: frozenset[int]
+    local_readers: dict[int, int]
+    """per-micro-batch tensor -> how many of this worker's tasks read it (FREE after the last)"""
+    send_microbatch: dict[int, tuple[int, ...]]
+    """tensor made per micro-batch here -> the other workers that read it"""
+    send_step: dict[int, tuple[int, ...]]
+    """once-per-step tensor made here -> the other workers whose update reads it"""
+    state_out: tuple[tuple[int, int, tuple[int, ...]], ...]
+    """(result var, state argument var, workers that read that argument) for new state made here"""
+    remote_state: frozenset[int]
+    """state arguments read here whose new value another worker makes each step"""
+    results: tuple[tuple[int, int], ...]
+    """(flat result index, var) of the non-state results made here, returned to the driver"""
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks) + len(self.update)
+
+
+def mesh_placements(compiled: Any, devices_per_host: int) -> tuple[MeshPlacement, ...]:
+    """The plan's meshes: their devices, hosts and stages (a pipeline's, or the one mesh of a plan)."""
+    if hasattr(compiled, "schedule"):
+        sched = compiled.schedule
+        out = []
+        for p in range(sched.num_meshes):
+            stages = sched.stages_of(p)
+            ids = tuple(compiled.stages[stages[0]].device_ids)
+            out.append(MeshPlacement(p, ids, tuple(sorted({d // devices_per_host for d in ids})), tuple(stages)))
+        return tuple(out)
+    ids = tuple(compiled.plan.device_ids)
+    return (MeshPlacement(0, ids, tuple(sorted({d // devices_per_host for d in ids})), (0,)),)
+
+
+def export_task(fn: Any, graph: Any, invars: Sequence[int], in_shardings: Sequence[Any]) -> bytes:
+    """``fn`` (jitted with the plan's shardings) serialised with ``jax.export`` for these inputs."""
+    avals = [jax.ShapeDtypeStruct(graph.vars[v].shape, np.dtype(graph.vars[v].dtype), sharding=s) for v, s in zip(invars, in_shardings)]
+    return bytes(jax.export.export(fn)(*avals).serialize())
+
+
+def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacement], num_state: int) -> tuple[WorkerProgram, ...]:
+    """Cut a ``CompiledPipeline`` (or ``CompiledPlan``) into one program per mesh worker.
+
+    ``num_state``: how many leading flat arguments are the state, which the step returns as
+    its leading results (``step(state, batch) -> (state, ...)``) and which stays on the workers.
+    """
+    pipelined = hasattr(compiled, "schedule")
+    worker_of_stage = {s: pl.mesh for pl in placements for s in pl.stages}
+
+    # every unit task, the stage it runs on, and whether it runs per micro-batch
+    per_mb: list[tuple[tuple[int, str], Any]] = list(compiled.tasks.items()) if pipelined else []
+    if pipelined:
+        update = list(compiled.update)
+    else:
+        update = [_WholeStep(compiled, graph)]
+    producer: dict[int, int] = {}  # var -> worker making it
+    for (s, _), t in per_mb:
+        for v in t.outvars:
+            producer[v] = worker_of_stage[s]
+    for t in update:
+        for v in t.outvars:
+            producer.setdefault(v, worker_of_stage[t.stage])
+    mb_readers: dict[int, set[int]] = defaultdict(set)
+    step_readers: dict[int, set[int]] = defaultdict(set)
+    arg_readers: dict[int, set[int]] = defaultdict(set)
+    invars = set(graph.invars)
+    for (s, _), t in per_mb:
+        for v in t.invars:
+            (arg_readers if v in invars else mb_readers)[v].add(worker_of_stage[s])
+    for t in update:
+        for v in t.invars:
+            (arg_readers if v in invars else step_readers)[v].add(worker_of_stage[t.stage])
+
+    split = dict(zip(graph.invars, compiled.split)) if pipelined else {v: False for v in graph.invars}
+    state_args = graph.invars[:num_state]
+    results = graph.outvars
+    if len(results) < num_state:
+        raise ProgramError(f"the step returns {len(results)} results but takes {num_state} state leaves; it must return the new state first")
+    for i, (o, v) in enumerate(zip(results[:num_state], state_args)):
+        kind = graph.vars[o].kind
+        if o in producer:
+            continue
+        if kind == "input" and o == v:
+            continue  # a leaf the step returns unchanged stays where it is
+        raise ProgramError(
+            f"state leaf {graph.in_paths[i] if i < len(graph.in_paths) else i} comes back as a {kind} "
+            "(not computed by the step, not the same leaf): the Ray runtime keeps the state on the workers and cannot "
+            "follow it; return the state leaf itself or a value computed from it"
+        )
+
+    programs = []
+    for pl in placements:
+        w = pl.mesh
+        mine = set(pl.stages)
+        tasks = {}
+        for (s, phase), t in per_mb:
+            if s in mine:
+                tasks[(s, phase)] = _ship(t, graph)
+        ups = tuple(_ship(t, graph) for t in update if t.stage in mine)
+        touched = {v for t in list(tasks.values()) + list(ups) for v in (*t.invars, *t.outvars)}
+        local_readers: dict[int, int] = defaultdict(int)
+        for t in tasks.values():
+            for v in t.invars:
+                if v not in invars:
+                    local_readers[v] += 1
+        made_here = {v for v, p in producer.items() if p == w}
+        accumulated = frozenset(v for v in compiled.slicing.accumulated if v in made_here) if pipelined else frozenset()
+        state_out = []
+        remote_state = set()
+        for o, v in zip(results[:num_state], state_args):
+            readers = tuple(sorted(arg_readers.get(v, ())))
+            if producer.get(o) == w:
+                state_out.append((o, v, readers))
+            elif w in readers and o in producer and producer[o] != w:
+                remote_state.add(v)
+        programs.append(
+            WorkerProgram(
+                worker=w,
+                placement=pl,
+                stage_shapes={s: tuple(compiled.stages[s].logical_shape) for s in pl.stages}
+                if pipelined
+                else {0: tuple(compiled.plan.mesh_shape)},
+                stage_devices={s: tuple(compiled.stages[s].device_ids) for s in pl.stages}
+                if pipelined
+                else {0: tuple(compiled.plan.device_ids)},
+                tasks=tasks,
+                runs={s: tuple(compiled.schedule.runs(s)) for s in pl.stages} if pipelined else {},
+                update=ups,
+                num_microbatches=compiled.num_microbatches if pipelined else 1,
+                inputs={v: split[v] for v in graph.invars if w in arg_readers.get(v, ())},
+                var_dtypes={v: graph.vars[v].dtype for v in touched},
+                accumulated=accumulated,
+                local_readers=dict(local_readers),
+                send_microbatch={v: tuple(sorted(r - {w})) for v, r in mb_readers.items() if producer.get(v) == w and r - {w}},
+                send_step={v: tuple(sorted(r - {w})) for v, r in step_readers.items() if producer.get(v) == w and r - {w}},
+                state_out=tuple(state_out),
+                remote_state=frozenset(remote_state),
+                results=tuple((i, o) for i, o in enumerate(results) if i >= num_state and producer.get(o) == w),
+            )
+        )
+    return tuple(programs)
+
+
+@dataclass(frozen=True, eq=False)
+class _WholeStep:
+    """A single-mesh plan's one program, seen as the one once-per-step unit task of stage 0."""
+
+    compiled: Any
+    graph: Any
+    stage: int = 0
+    phase: str = "apply"
+
+    @property
+    def invars(self) -> tuple[int, ...]:
+        return tuple(self.graph.invars)
+
+    @property
+    def outvars(self) -> tuple[int, ...]:
+        return tuple(self.graph.outvars)
+
+    @property
+    def fn(self) -> Any:
+        return self.compiled.fn
+
+    @property
+    def in_shardings(self) -> tuple[Any, ...]:
+        return tuple(self.compiled.in_shardings)
+
+
+def _ship(task: Any, graph: Any) -> ProgramTask:
+    return ProgramTask(
+        stage=task.stage,
+        phase=task.phase,
+        exported=export_task(task.fn, graph, task.invars, task.in_shardings),
+        invars=tuple(task.invars),
+        outvars=tuple(task.outvars),
+        in_specs=tuple(s.spec for s in task.in_shardings),
+    )

@@ -1,0 +1,158 @@
+"""A Ray cluster to run plans on: a local one we start on 127.0.0.1, or one the user already runs.
+
+``RayCluster.local(hosts, devices_per_host)`` starts Ray on this machine, bound to 127.0.0.1
+with the dashboard off; each simulated "host" is then a set of mesh-worker processes with
+their own simulated CPU devices. ``RayCluster.connect(address)`` joins a running cluster and
+describes it as a ``ClusterSpec`` (hosts = alive Ray nodes, devices per host = GPUs per node,
+or the CPU count given). ``spec`` is what to plan for, so a plan matches the cluster it runs on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from alpa_lab.cost.cluster import ClusterSpec
+
+__all__ = ["RayCluster", "RayClusterError"]
+
+
+class RayClusterError(RuntimeError):
+    """Ray is missing, does not answer, or cannot give what was asked (says what to do)."""
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a dependency; a broken install still gets a clear word
+        raise RayClusterError("the Ray runtime needs Ray: pip install 'ray[default]>=2.9'") from e
+    return ray
+
+
+@dataclass
+class RayCluster:
+    """A Ray cluster described for planning (``spec``) and for placing mesh workers."""
+
+    spec: ClusterSpec
+    platform: str
+    """"cpu" (simulated devices, one process per mesh worker) or "gpu"."""
+    address: str
+    started_here: bool
+    node_ids: tuple[str, ...] = ()
+    """Ray node id per host (a connected cluster); a local one has all hosts on this node."""
+    _closed: bool = field(default=False, repr=False)
+
+    @classmethod
+    def local(cls, hosts: int = 2, devices_per_host: int = 4, *, spec: ClusterSpec | None = None) -> RayCluster:
+        """Start a local Ray (127.0.0.1, no dashboard); each host's devices are simulated CPU devices.
+
+        ``spec``: the cluster to plan for (default ``ClusterSpec.local(hosts, devices_per_host)``);
+        it must have the same hosts and devices per host.
+        """
+        for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        spec = spec or ClusterSpec.local(hosts, devices_per_host)
+        if (spec.hosts, spec.devices_per_host) != (hosts, devices_per_host):
+            raise ValueError(f"spec is for {spec.hosts}x{spec.devices_per_host} devices but the cluster is {hosts}x{devices_per_host}")
+        ray = _ray()
+        if ray.is_initialized():
+            raise RayClusterError(
+                "Ray is already running in this process (ray.init was called): use RayCluster.connect('auto') to use "
+                "it, or ray.shutdown() first to let RayCluster.local start its own"
+            )
+        t0 = time.perf_counter()
+        ctx = ray.init(
+            address="local",
+            num_cpus=max(2, hosts * devices_per_host),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")),
+            configure_logging=False,
+        )
+        cluster = cls(spec=replace(spec, simulated=True), platform="cpu", address=ctx.address_info.get("gcs_address", ""), started_here=True)
+        cluster.start_seconds = time.perf_counter() - t0
+        return cluster
+
+    @classmethod
+    def connect(
+        cls,
+        address: str = "auto",
+        *,
+        preset: str | None = None,
+        devices_per_host: int | None = None,
+        timeout: float = 10.0,
+    ) -> RayCluster:
+        """Join a running Ray cluster (``"auto"``, ``"host:port"``, ``"ray://host:port"``).
+
+        Hosts are its alive nodes; devices per host its GPUs per node (all nodes alike), or
+        ``devices_per_host`` simulated CPU devices on a cluster without GPUs. Bandwidths and
+        device speed come from ``preset`` (e.g. ``"p3.16xlarge"``) or the local defaults.
+        """
+        ray = _ray()
+        if not ray.is_initialized():
+            import threading
+
+            err: list[BaseException] = []
+
+            def init() -> None:
+                try:
+                    ray.init(address=address, log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")), configure_logging=False)
+                except BaseException as e:  # noqa: BLE001 - reported below with the address
+                    err.append(e)
+
+            th = threading.Thread(target=init, daemon=True)
+            th.start()
+            th.join(timeout)
+            if th.is_alive():
+                raise RayClusterError(f"no Ray cluster answered at {address!r} within {timeout:.0f} s; start one (ray start --head) or check the address")
+            if err:
+                raise RayClusterError(f"could not connect to a Ray cluster at {address!r}: {err[0]}") from err[0]
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if not nodes:
+            raise RayClusterError(f"the Ray cluster at {address!r} has no alive nodes")
+        gpus = sorted({int(n["Resources"].get("GPU", 0)) for n in nodes})
+        if gpus != [0]:
+            if len(gpus) != 1:
+                raise RayClusterError(f"the Ray cluster's nodes have different GPU counts {gpus}; alpa_lab plans for hosts alike")
+            platform, per_host = "gpu", gpus[0]
+        else:
+            platform = "cpu"
+            per_host = devices_per_host or int(min(n["Resources"].get("CPU", 1) for n in nodes))
+        hosts = len(nodes)
+        spec = ClusterSpec.preset(preset, hosts=hosts) if preset else ClusterSpec.local(hosts, per_host)
+        if spec.devices_per_host != per_host:
+            raise RayClusterError(f"preset {preset!r} has {spec.devices_per_host} devices per host but the cluster's nodes have {per_host}")
+        if platform == "cpu":
+            spec = replace(spec, simulated=True)
+        node_ids = tuple(n["NodeID"] for n in sorted(nodes, key=lambda n: (n.get("NodeManagerAddress", ""), n["NodeID"])))
+        return cls(spec=spec, platform=platform, address=address, started_here=False, node_ids=node_ids)
+
+    @property
+    def hosts(self) -> int:
+        return self.spec.hosts
+
+    @property
+    def devices_per_host(self) -> int:
+        return self.spec.devices_per_host
+
+    def shutdown(self) -> None:
+        """Stop Ray if this object started it; a connected cluster is only disconnected from."""
+        if self._closed:
+            return
+        self._closed = True
+        ray = _ray()
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        kind = "local" if self.started_here else f"connected to {self.address}"
+        return f"RayCluster({self.hosts}x{self.devices_per_host} {self.platform}, {kind})"

@@ -1,0 +1,414 @@
+"""Launch a plan on a Ray cluster of mesh workers, run steps there, read state and events back.
+
+The driver (this process, e.g. the notebook's kernel) owns a ``RayRun``: the mesh-worker
+actors (one per mesh, placed with a Ray placement group, one bundle per worker), a small
+record per worker (host, pid, devices, stages), and the last state it fetched. ``step(batch)``
+sends one ``run_step`` message per worker carrying only the batch leaves that worker reads;
+the workers exchange activations and gradients among themselves and return only the
+step's non-state results (the loss). A worker that dies or raises fails the step at once
+with an error naming its host, worker, mesh and stages; the other workers are stopped, and
+the last state the driver fetched stays available to launch again from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from alpa_lab.runtime.mesh_worker import Event, MeshWorker
+from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, worker_programs
+from alpa_lab.runtime.ray_cluster import RayCluster, _ray
+
+__all__ = ["LaunchError", "MeshWorkerError", "RayRun", "WorkerInfo", "launch"]
+
+
+class LaunchError(ValueError):
+    """The plan cannot be launched on this cluster (nothing was started)."""
+
+
+class MeshWorkerError(RuntimeError):
+    """A mesh worker failed a step; ``worker`` names it. The run is closed; the last state is kept."""
+
+    def __init__(self, message: str, worker: WorkerInfo | None = None):
+        super().__init__(message)
+        self.worker = worker
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The driver's record of one mesh worker."""
+
+    worker: int
+    mesh: int
+    hosts: tuple[int, ...]
+    stages: tuple[int, ...]
+    device_ids: tuple[int, ...]
+    pid: int
+    hostname: str
+    devices: tuple[str, ...]
+    clock_offset: float
+    """worker clock minus driver clock, seconds (subtracted from its events)"""
+
+    def describe(self) -> str:
+        host = self.hosts[0] if len(self.hosts) == 1 else list(self.hosts)
+        return f"mesh worker {self.worker} (host {host}, pid {self.pid} on {self.hostname}, mesh {self.mesh}, stages {list(self.stages)})"
+
+
+@dataclass(eq=False)
+class RayRun:
+    """A plan running on mesh workers; the state lives on the workers between steps."""
+
+    cluster: RayCluster
+    plan: Any
+    programs: tuple[WorkerProgram, ...]
+    workers: tuple[WorkerInfo, ...]
+    actors: list[Any] = field(repr=False)
+    placement_group: Any = field(repr=False)
+    in_tree: Any = field(repr=False)
+    out_tree: Any = field(repr=False)
+    state_tree: Any = field(repr=False)
+    num_state: int = 0
+    arg_avals: tuple[Any, ...] = field(default=(), repr=False)
+    host_leaves: dict[int, Any] = field(default_factory=dict, repr=False)
+    """flat result index -> value the driver knows without the workers (constants, unchanged leaves)"""
+    keep_state_every: int = 1
+    step_timeout: float | None = None
+    launch_seconds: dict[str, float] = field(default_factory=dict)
+    steps_done: int = 0
+    last_state: Any = field(default=None, repr=False)
+    last_state_step: int = 0
+    traffic: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    """per step: {"sent": {(worker, peer): bytes}, "received": {(worker, peer): bytes}, "seconds": ...}"""
+    closed: bool = False
+    _event_cursor: list[int] = field(default_factory=list, repr=False)
+    _events: list[Event] = field(default_factory=list, repr=False)
+    _invars: tuple[int, ...] = ()
+    _outvars: tuple[int, ...] = ()
+    _readers_of_arg: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    # ----- stepping ------------------------------------------------------------------------
+    def step(self, *batch: Any) -> Any:
+        """One training step on the workers with these arguments after the state; returns the step's other results."""
+        self._check_open()
+        ray = _ray()
+        leaves = jax.tree_util.tree_leaves(batch)
+        avals = self.arg_avals[self.num_state :]
+        if len(leaves) != len(avals):
+            raise ValueError(f"the step takes {len(avals)} array leaves after the state; got {len(leaves)}")
+        for i, (x, a) in enumerate(zip(leaves, avals)):
+            if tuple(np.shape(x)) != tuple(a.shape):
+                raise ValueError(f"argument leaf {i} after the state has shape {tuple(np.shape(x))}; the plan was made for {tuple(a.shape)}")
+        batch_vars = self._invars[self.num_state :]
+        refs = {v: ray.put(np.asarray(x)) for v, x in zip(batch_vars, leaves)}
+        calls = []
+        for prog, actor in zip(self.programs, self.actors):
+            mine = {v: refs[v] for v in batch_vars if v in prog.inputs}
+            calls.append(actor.run_step.remote(self.steps_done, mine))
+        replies = self._gather(calls, f"step {self.steps_done}")
+        self.steps_done += 1
+        sent, received = {}, {}
+        results: dict[int, Any] = dict(self.host_leaves)
+        for prog, rep in zip(self.programs, replies):
+            results.update(rep["results"])
+            for peer, n in rep["sent"].items():
+                sent[(prog.worker, peer)] = n
+            for peer, n in rep["received"].items():
+                received[(prog.worker, peer)] = n
+        self.traffic.append({"sent": sent, "received": received, "seconds": max(r["seconds"] for r in replies)})
+        if self.keep_state_every and self.steps_done % self.keep_state_every == 0:
+            self.last_state = self.state()
+            self.last_state_step = self.steps_done
+        flat = [results[i] for i in range(self.num_state, len(self._outvars))]
+        rest = jax.tree_util.tree_unflatten(self._rest_tree, flat)
+        return rest[0] if len(rest) == 1 else rest
+
+    def __call__(self, *batch: Any) -> Any:
+        return self.step(*batch)
+
+    def _gather(self, calls: list[Any], what: str) -> list[Any]:
+        """Wait for every worker's reply; the first failure closes the run and is raised by name."""
+        ray = _ray()
+        pending = {c: i for i, c in enumerate(calls)}
+        replies: list[Any] = [None] * len(calls)
+        deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    replies[i] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - translated into a named worker error
+                    self._fail(i, e, what)
+            if deadline is not None and time.monotonic() > deadline and pending:
+                waiting = ", ".join(self.workers[i].describe() for i in pending.values())
+                self.close()
+                raise MeshWorkerError(f"{what} did not finish within {self.step_timeout:.0f} s; still waiting on {waiting}; the run was closed")
+        return replies
+
+    def _fail(self, i: int, error: BaseException, what: str) -> None:
+        ray = _ray()
+        info = self.workers[i]
+        if isinstance(error, ray.exceptions.ActorDiedError) or isinstance(error, ray.exceptions.ActorUnavailableError):
+            cause = "its process died (killed, out of memory, or crashed)"
+        elif isinstance(error, ray.exceptions.RayTaskError):
+            cause = f"{type(error.cause).__name__ if error.cause is not None else 'error'}: {error.cause if error.cause is not None else error}"
+        else:
+            cause = f"{type(error).__name__}: {error}"
+        self.close()
+        kept = f"the last state kept on the driver is from step {self.last_state_step}" if self.last_state is not None else "no state was kept"
+        raise MeshWorkerError(f"{what} failed on {info.describe()}: {cause}. The run was closed; {kept} (run.last_state).", info) from error
+
+    # ----- reading back ---------------------------------------------------------------------
+    def state(self) -> Any:
+        """The current state fetched from the workers, in the structure of the state launched with."""
+        self._check_open()
+        parts = self._gather([a.state.remote() for a in self.actors], "fetching the state")
+        held: dict[int, Any] = {}
+        for p in parts:
+            held.update(p)
+        leaves = []
+        for i, v in enumerate(self._invars[: self.num_state]):
+            if v in held:
+                leaves.append(held[v])
+            elif self.last_state is not None:  # a leaf no worker reads or makes: unchanged since launch
+                leaves.append(jax.tree_util.tree_leaves(self.last_state)[i])
+            else:
+                raise MeshWorkerError(f"no worker holds state leaf {i}")
+        return jax.tree_util.tree_unflatten(self.state_tree, leaves)
+
+    def events(self) -> list[Event]:
+        """Every instruction the workers executed so far, in the driver's clock (readable mid-step)."""
+        ray = _ray()
+        if not self.closed:
+            replies = ray.get([a.events.remote(c) for a, c in zip(self.actors, self._event_cursor)])
+            for k, (cursor, evs) in enumerate(replies):
+                self._event_cursor[k] = cursor
+                off = self.workers[k].clock_offset
+                self._events.extend(Event(**{**e.__dict__, "start": e.start - off, "end": e.end - off}) for e in evs)
+        return list(self._events)
+
+    def bytes_per_step(self, step: int = -1) -> dict[str, dict[tuple[int, int], int]]:
+        """Bytes each worker sent to / received from each other worker in one step (measured)."""
+        return self.traffic[step]
+
+    def predicted_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes per step (sender worker, receiver worker) the programs say will move."""
+        return predicted_traffic(self.programs, self.plan_graph_vars, self.num_microbatches)
+
+    # ----- ending ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the mesh workers and free their placement group (the Ray cluster keeps running)."""
+        if self.closed:
+            return
+        self.closed = True
+        ray = _ray()
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - a dead actor is already gone
+                pass
+        if self.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MeshWorkerError("this run is closed; launch the plan again (step.launch(cluster, run.last_state))")
+
+    def __enter__(self) -> RayRun:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    plan_graph_vars: Any = field(default=None, repr=False)
+    num_microbatches: int = 1
+    _rest_tree: Any = field(default=None, repr=False)
+
+
+def predicted_traffic(programs: tuple[WorkerProgram, ...], graph_vars: Any, num_microbatches: int) -> dict[tuple[int, int], int]:
+    """Bytes per step each worker sends each other worker: every cross-worker tensor once per receiver.
+
+    Computed from the programs' send tables and the traced shapes, independently of what
+    the workers count.
+    """
+    out: dict[tuple[int, int], int] = defaultdict(int)
+    for p in programs:
+        for v, to in p.send_microbatch.items():
+            for r in to:
+                out[(p.worker, r)] += graph_vars[v].nbytes * num_microbatches
+        for v, to in p.send_step.items():
+            for r in to:
+                out[(p.worker, r)] += graph_vars[v].nbytes
+        for o, v, readers in p.state_out:
+            for r in readers:
+                if r != p.worker:
+                    out[(p.worker, r)] += graph_vars[o].nbytes
+    return dict(out)
+
+
+def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state_every: int = 1, step_timeout: float | None = None) -> RayRun:
+    """Place the step's current plan on ``cluster``'s mesh workers and ship programs and state once.
+
+    ``example``: the step's other arguments (shapes only) if the plan was not made with them.
+    """
+    from alpa_lab.plan import PipelinePlan
+
+    ray = _ray()
+    if cluster._closed or not ray.is_initialized():
+        raise LaunchError("the Ray cluster was shut down; start one with RayCluster.local(...) or connect(...)")
+    plan = step.current_plan
+    if plan is None:
+        raise LaunchError("the step has no plan yet: call step.plan(state, batch) first")
+    args = (state, *example) if example else step.last_args(state)
+    need = (plan.cluster["hosts"], plan.cluster["devices_per_host"]) if isinstance(plan, PipelinePlan) else None
+    have = (cluster.hosts, cluster.devices_per_host)
+    if need is None:
+        used = max(plan.device_ids) + 1
+        if used > cluster.hosts * cluster.devices_per_host:
+            raise LaunchError(
+                f"the plan uses {used} devices ({plan.mesh_shape[0]}x{plan.mesh_shape[1]} mesh) but the Ray cluster has "
+                f"{have[0]} hosts x {have[1]} devices = {have[0] * have[1]}; plan for cluster.spec"
+            )
+    elif need != have:
+        raise LaunchError(
+            f"the plan was made for {need[0]} hosts x {need[1]} devices but the Ray cluster has {have[0]} hosts x {have[1]} devices; "
+            "plan with parallelize(..., cluster=ray_cluster.spec)"
+        )
+    t0 = time.perf_counter()
+    graph = step.trace(*args)
+    compiled = step.compiled(*args)
+    t_compile = time.perf_counter() - t0
+    placements = mesh_placements(compiled, cluster.devices_per_host)
+    for pl in placements:
+        if len(pl.hosts) > 1:
+            raise LaunchError(
+                f"mesh {pl.mesh} of this plan spans hosts {list(pl.hosts)} (devices {list(pl.device_ids)}); the Ray runtime "
+                "runs each mesh on one host's worker for now. Plan with meshes inside a host, e.g. "
+                "plan.pin_stages(ranges, submeshes=[(1, devices_per_host), ...]) or parallelize(..., mesh_shape=(1, devices_per_host)) "
+                "on ClusterSpec.local(1, devices_per_host)"
+            )
+    state_leaves, state_tree = jax.tree_util.tree_flatten(state)
+    num_state = len(state_leaves)
+    out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
+    if not out_children or out_children[0] != state_tree:
+        raise LaunchError("the step must return (new_state, ...) with the same structure as the state it takes, as step(state, batch) does")
+    rest_tree = jax.tree_util.tree_structure(tuple(out_children[1:]))
+    t1 = time.perf_counter()
+    try:
+        programs = worker_programs(compiled, graph, placements, num_state)
+    except ProgramError as e:
+        raise LaunchError(str(e)) from e
+    t_export = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    bundles = [{"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.device_ids)} for pl in placements]
+    pg = ray.util.placement_group(bundles, strategy="PACK")
+    if not pg.wait(timeout_seconds=60):
+        ray.util.remove_placement_group(pg)
+        raise LaunchError(f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s; the cluster has {ray.available_resources()}")
+    actor_cls = ray.remote(MeshWorker)
+    actors = []
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    for k, pl in enumerate(placements):
+        opts: dict[str, Any] = {
+            "num_cpus": 1,
+            "max_concurrency": 8,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
+        }
+        if cluster.platform == "cpu":
+            opts["runtime_env"] = {
+                "env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={len(pl.device_ids)}", "JAX_PLATFORMS": "cpu"}
+            }
+        else:
+            opts["num_gpus"] = len(pl.device_ids)
+        actors.append(actor_cls.options(**opts).remote(k, pl.hosts[0], len(pl.device_ids), cluster.platform))
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=120)
+        offsets = []
+        for a in actors:
+            before = time.time()
+            t_worker = ray.get(a.clock.remote())
+            offsets.append(t_worker - (before + time.time()) / 2)
+    except Exception as e:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        ray.util.remove_placement_group(pg)
+        raise LaunchError(f"the mesh workers did not start: {e}") from e
+    t_start = time.perf_counter() - t2
+
+    t3 = time.perf_counter()
+    invars = tuple(graph.invars)
+    readers = {v: tuple(p.worker for p in programs if v in p.inputs) for v in invars}
+    host_state = [np.asarray(x) for x in state_leaves]
+    loads = []
+    for p, a in zip(programs, actors):
+        mine = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state) if v in p.inputs or any(v == sv for _, sv, _ in p.state_out)}
+        loads.append(a.load.remote(p, actors, mine))
+    workers = tuple(
+        WorkerInfo(
+            worker=k,
+            mesh=pl.mesh,
+            hosts=pl.hosts,
+            stages=pl.stages,
+            device_ids=pl.device_ids,
+            pid=info["pid"],
+            hostname=info["hostname"],
+            devices=tuple(info["devices"]),
+            clock_offset=off,
+        )
+        for k, (pl, info, off) in enumerate(zip(placements, infos, offsets))
+    )
+    host_leaves: dict[int, Any] = {}
+    made = {o for p in programs for o in [*(o for o, _, _ in p.state_out), *(o for _, o in p.results)]}
+    for i, o in enumerate(graph.outvars):
+        if o in made:
+            continue
+        var = graph.vars[o]
+        if var.kind == "const":
+            host_leaves[i] = np.asarray(graph.consts[o])
+        elif var.kind == "literal":
+            host_leaves[i] = np.asarray(graph.literals[o])
+        elif var.kind == "input" and i >= num_state:
+            raise LaunchError(f"result {i} returns an input unchanged; the Ray runtime returns only computed results")
+    run = RayRun(
+        cluster=cluster,
+        plan=plan,
+        programs=programs,
+        workers=workers,
+        actors=actors,
+        placement_group=pg,
+        in_tree=graph.in_tree,
+        out_tree=graph.out_tree,
+        state_tree=state_tree,
+        num_state=num_state,
+        arg_avals=tuple(jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype)) for x in jax.tree_util.tree_leaves(args)),
+        host_leaves=host_leaves,
+        keep_state_every=keep_state_every,
+        step_timeout=step_timeout,
+        _event_cursor=[0] * len(actors),
+        _invars=invars,
+        _outvars=tuple(graph.outvars),
+        _readers_of_arg=readers,
+        plan_graph_vars=graph.vars,
+        num_microbatches=getattr(compiled, "num_microbatches", 1),
+        _rest_tree=rest_tree,
+    )
+    run._gather(loads, "loading the programs")
+    run.last_state = jax.tree_util.tree_unflatten(state_tree, host_state)
+    run.launch_seconds = {
+        "compile": t_compile,
+        "export": t_export,
+        "start_workers": t_start,
+        "load": time.perf_counter() - t3,
+        "total": time.perf_counter() - t0,
+    }
+    return run
