@@ -29,6 +29,8 @@ from alpa_lab.passes.intra_op import PinError
 from alpa_lab.passes.methods import METHODS, MethodError
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
 from alpa_lab.runtime.apply import DeviceError
+from alpa_lab.runtime.ray_cluster import RayCluster, RayClusterError
+from alpa_lab.runtime.ray_run import LaunchError, MeshWorkerError, RayRun
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 
 __all__ = [
@@ -38,13 +40,18 @@ __all__ = [
     "ClusterSpec",
     "DeviceError",
     "InfeasibleError",
+    "LaunchError",
     "LogicalMesh",
+    "MeshWorkerError",
     "MethodError",
     "ParallelizedStep",
     "PinError",
     "PipelinePlan",
     "Plan",
     "PlanFormatError",
+    "RayCluster",
+    "RayClusterError",
+    "RayRun",
     "ShardingSpec",
     "ShardingSpecError",
     "TraceError",

@@ -124,12 +124,16 @@ class MeshWorker:
         return {"load_seconds": time.perf_counter() - t0}
 
     # ----- messages from peers ------------------------------------------------------------
-    def receive(self, step: int, var: int, microbatch: int, value: np.ndarray, sender: int, sent_at: float) -> None:
-        """A tensor another worker made (RECV): kept until this worker's walk reads it."""
+    def receive(self, step: int, var: int, microbatch: int, value: np.ndarray, sender: int, sent_at: float, sent_step: int) -> None:
+        """A tensor another worker made (RECV): kept until this worker's walk of ``step`` reads it.
+
+        The event is filed under ``sent_step``, the step whose traffic it is (new state is
+        sent at the end of one step and read in the next).
+        """
         now = time.time()
         with self._cv:
             self._inbox[(step, var, microbatch)] = value
-            self._events.append(Event(self.worker, self.worker, -1, "recv", "", microbatch, step, sent_at, now, int(value.nbytes), sender, var))
+            self._events.append(Event(self.worker, self.worker, -1, "recv", "", microbatch, sent_step, sent_at, now, int(value.nbytes), sender, var))
             self._cv.notify_all()
 
     def abort(self) -> None:
@@ -198,6 +202,7 @@ class MeshWorker:
             return v in step_values or self._has(step, v, STEP) or (v, -1, "in") in placed_in
 
         placed_in: dict[tuple, Any] = {}  # received host arrays, until their readers are done
+        acks: list[Any] = []
 
         def value(v: int, mb: int) -> Any:
             if v in prog.inputs:
@@ -226,7 +231,9 @@ class MeshWorker:
             host = np.asarray(x)
             ref = ray.put(host)
             for peer in to:
-                self._peers[peer].receive.remote(step + (1 if tag == STATE else 0), v, tag, ref, self.worker, t)
+                call = self._peers[peer].receive.remote(step + (1 if tag == STATE else 0), v, tag, ref, self.worker, t, step)
+                if tag == STATE:  # waited for below: when the step returns, the next step's state is in place
+                    acks.append(call)
                 sent[peer] += int(host.nbytes)
                 self._events.append(Event(self.worker, self.worker, -1, "send", "", mb, step, t, time.time(), int(host.nbytes), peer, v))
 
@@ -298,20 +305,24 @@ class MeshWorker:
             if others:
                 send(v, STATE, x, others, STATE)
         results = {i: np.asarray(step_values[o]) for i, o in prog.results}
+        if acks:
+            import ray
+
+            ray.get(acks)
         with self._cv:  # anything left for this step was not read: a planning bug worth seeing
             stale = [k for k in self._inbox if k[0] <= step and k[2] != STATE]
         if stale:
             raise RuntimeError(f"worker {self.worker}: step {step} left received tensors unread: {stale[:5]}")
-        received = defaultdict(int)
-        for e in self._events:
-            if e.kind == "recv" and e.step == step:
-                received[e.peer] += e.nbytes
-        return {
-            "results": results,
-            "sent": dict(sent),
-            "received": dict(received),
-            "seconds": time.perf_counter() - t_start,
-        }
+        return {"results": results, "sent": dict(sent), "seconds": time.perf_counter() - t_start}
+
+    def received(self, step: int) -> dict[int, int]:
+        """Bytes received from each peer for ``step``'s traffic (complete once every worker finished it)."""
+        out: dict[int, int] = defaultdict(int)
+        with self._cv:
+            for e in self._events:
+                if e.kind == "recv" and e.step == step:
+                    out[e.peer] += e.nbytes
+        return dict(out)
 
     # ----- reading back -------------------------------------------------------------------
     def state(self) -> dict[int, np.ndarray]:

@@ -111,15 +111,13 @@ class RayRun:
             calls.append(actor.run_step.remote(self.steps_done, mine))
         replies = self._gather(calls, f"step {self.steps_done}")
         self.steps_done += 1
-        sent, received = {}, {}
+        sent = {}
         results: dict[int, Any] = dict(self.host_leaves)
         for prog, rep in zip(self.programs, replies):
             results.update(rep["results"])
             for peer, n in rep["sent"].items():
                 sent[(prog.worker, peer)] = n
-            for peer, n in rep["received"].items():
-                received[(prog.worker, peer)] = n
-        self.traffic.append({"sent": sent, "received": received, "seconds": max(r["seconds"] for r in replies)})
+        self.traffic.append({"sent": sent, "seconds": max(r["seconds"] for r in replies)})
         if self.keep_state_every and self.steps_done % self.keep_state_every == 0:
             self.last_state = self.state()
             self.last_state_step = self.steps_done
@@ -193,8 +191,15 @@ class RayRun:
         return list(self._events)
 
     def bytes_per_step(self, step: int = -1) -> dict[str, dict[tuple[int, int], int]]:
-        """Bytes each worker sent to / received from each other worker in one step (measured)."""
-        return self.traffic[step]
+        """Bytes of one step's traffic, (sender, receiver) -> bytes, as counted by the senders and by the receivers.
+
+        Each side counts on its own: the senders report with the step, the receivers are asked here.
+        """
+        self._check_open()
+        k = step % len(self.traffic)
+        per_worker = self._gather([a.received.remote(k) for a in self.actors], "reading the traffic")
+        received = {(s, p.worker): n for p, got in zip(self.programs, per_worker) for s, n in got.items()}
+        return {"sent": dict(self.traffic[k]["sent"]), "received": received}
 
     def predicted_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per step (sender worker, receiver worker) the programs say will move."""
