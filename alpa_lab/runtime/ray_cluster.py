@@ -31,6 +31,23 @@ def _ray() -> Any:
     return ray
 
 
+def _check_answers(address: str, timeout: float) -> None:
+    """A ``host:port`` that does not accept connections fails here in seconds (Ray itself retries for a minute)."""
+    import socket
+
+    target = address.split("://", 1)[-1]
+    if address == "auto" or ":" not in target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as e:
+        raise RayClusterError(
+            f"no Ray cluster answers at {address!r} ({e}); start one with `ray start --head` or check the address"
+        ) from e
+
+
 @dataclass
 class RayCluster:
     """A Ray cluster described for planning (``spec``) and for placing mesh workers."""
@@ -93,23 +110,11 @@ class RayCluster:
         """
         ray = _ray()
         if not ray.is_initialized():
-            import threading
-
-            err: list[BaseException] = []
-
-            def init() -> None:
-                try:
-                    ray.init(address=address, log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")), configure_logging=False)
-                except BaseException as e:  # noqa: BLE001 - reported below with the address
-                    err.append(e)
-
-            th = threading.Thread(target=init, daemon=True)
-            th.start()
-            th.join(timeout)
-            if th.is_alive():
-                raise RayClusterError(f"no Ray cluster answered at {address!r} within {timeout:.0f} s; start one (ray start --head) or check the address")
-            if err:
-                raise RayClusterError(f"could not connect to a Ray cluster at {address!r}: {err[0]}") from err[0]
+            _check_answers(address, timeout)
+            try:
+                ray.init(address=address, log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")), configure_logging=False)
+            except Exception as e:  # noqa: BLE001 - reported with the address
+                raise RayClusterError(f"could not connect to a Ray cluster at {address!r}: {e}") from e
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if not nodes:
             raise RayClusterError(f"the Ray cluster at {address!r} has no alive nodes")
