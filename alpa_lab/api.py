@@ -289,7 +289,39 @@ class ParallelizedStep:
             self._compiled = compile_plan(graph, plan)
         return self._compiled
 
+    def on_ray(self, cluster: Any | None, **launch_options: Any) -> ParallelizedStep:
+        """Make calls of this step run on ``cluster``'s mesh workers (None: back in this process).
+
+        ``step(state, batch)`` then launches the current plan with ``state`` (again when the
+        plan changes or a state other than the last one returned is passed), runs one step
+        there and returns the new state fetched to the driver, as the in-process step does.
+        """
+        if self.ray_run is not None:
+            self.ray_run.close()
+        self.ray_run = None
+        self.ray_cluster = cluster
+        self._ray_options = dict(launch_options)
+        return self
+
+    ray_cluster: Any = None
+    ray_run: Any = None
+    _ray_state: Any = None
+
+    def _call_on_ray(self, args: tuple) -> Any:
+        state, rest = args[0], args[1:]
+        run = self.ray_run
+        if run is None or run.closed or run.plan is not self.current_plan or state is not self._ray_state:
+            if run is not None:
+                run.close()
+            self.ray_run = run = self.launch(self.ray_cluster, state, *rest, **{"keep_state_every": 1, **self._ray_options})
+        out = run.step(*rest)
+        self._ray_state = run.last_state if run.last_state_step == run.steps_done else run.state()
+        others = out if isinstance(out, tuple) and len(out) != 1 else (out,)
+        return (self._ray_state, *others)
+
     def __call__(self, *args: Any) -> Any:
+        if self.ray_cluster is not None:
+            return self._call_on_ray(args)
         compiled = self.compiled(*args)
         graph = self.trace(*args)
         outs = compiled(*jax.tree_util.tree_leaves(args))

@@ -225,3 +225,41 @@ def test_bad_batch_is_refused_on_the_driver(cluster):
 def test_local_ray_refuses_a_second_start(cluster):
     with pytest.raises(RayClusterError, match="already running"):
         RayCluster.local(1, 2)
+
+
+# ----- notebook: %%parallelize --ray and the workbench's Launch -------------------------------------
+def test_magic_runs_the_step_on_ray_and_the_workbench_launches(cluster, references):
+    from IPython.testing.globalipapp import start_ipython
+
+    from alpa_lab.notebook.magic import ParallelizeMagics
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "alpa_lab")
+    ex = tiny_example("mlp")
+    ip.user_ns.update(ex_step=ex.train_step, state=ex.state, batch=ex.batch)
+    ParallelizeMagics.ray_clusters["local:2x4"] = cluster  # the kernel's local Ray, as an earlier cell made it
+    cell = "def train_step(state, batch):\n    return ex_step(state, batch)\n"
+    wb = ip.run_cell_magic("parallelize", "--ray local:2x4 --microbatches 4 --layers 4 --args state,batch --name p --workbench wb", cell)
+    step = ip.user_ns["train_step"]
+    assert step.ray_cluster is cluster and step.cluster.hosts == 2
+    assert "Ray" in wb.backend_html.value
+    assert wb.pin_stages([[0, 1], [2, 3]], [(1, 4), (1, 4)]), wb.last_error
+    # calling the step runs it on the mesh workers and returns the state like the in-process step
+    state, loss = step(ex.state, ex.batch)
+    assert step.ray_run is not None and {w.pid for w in step.ray_run.workers}.isdisjoint({os.getpid()})
+    assert_close(loss, references["mlp"][0][1], "loss via the magic's step")
+    state, loss = step(state, ex.batch)  # the same run goes on (no relaunch)
+    assert step.ray_run.steps_done == 2
+    assert_close(state, references["mlp"][1][0], "state via the magic's step")
+    # the workbench's Launch: from the launch state, in the background, measured bars from the workers
+    wb.launch_steps.value = 3
+    wb.launch_button.click()
+    wb.wait(120)
+    assert wb.last_error == "", wb.last_error
+    assert_close(wb.result[1], references["mlp"][2][1], "loss of the launched run")
+    kinds = {b.kind for b in wb.measured}
+    assert {"RUN", "UPDATE", "TRANSFER"} <= kinds and {b.mesh for b in wb.measured} == {0, 1}
+    step.on_ray(None)  # back in this process; the run is closed
+    assert step.ray_run is None
+    with pytest.raises(Exception, match="--cluster or --ray"):
+        ip.run_cell_magic("parallelize", "--ray local:2x4 --cluster local:2x4", cell)

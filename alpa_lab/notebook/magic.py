@@ -55,6 +55,7 @@ class ParallelizeMagics(Magics):
 
     @magic_arguments()
     @argument("--cluster", default=None, help="local:HxD (simulated devices, default: all of them) or PRESET:HOSTS, e.g. p3.16xlarge:8")
+    @argument("--ray", default=None, help="plan for and run on a Ray cluster: local:HxD (started here on 127.0.0.1), auto or HOST:PORT")
     @argument("--microbatches", type=int, default=None, help="pipeline the step over this many micro-batches")
     @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))}")
     @argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
@@ -83,7 +84,14 @@ class ParallelizeMagics(Magics):
         fn_name = _defined_function(cell)
         if not fn_name:
             raise UsageError("%%parallelize: the cell must define the training step as a top-level `def`")
-        cluster = self._cluster(opts.cluster)
+        ray_cluster = None
+        if opts.ray is not None:
+            if opts.cluster is not None:
+                raise UsageError("%%parallelize: give --cluster or --ray, not both (--ray plans for the Ray cluster's own shape)")
+            ray_cluster = self._ray_cluster(opts.ray)
+            cluster = ray_cluster.spec
+        else:
+            cluster = self._cluster(opts.cluster)
         if opts.method not in al.METHODS:
             raise UsageError(f"%%parallelize: unknown --method {opts.method!r}; choose one of {', '.join(al.METHODS)}")
         names = [a.strip() for a in opts.args.split(",") if a.strip()] if opts.args else []
@@ -119,6 +127,8 @@ class ParallelizeMagics(Magics):
             else:
                 ns[fn_name] = previous
             raise UsageError(f"%%parallelize: {err}") from None
+        if ray_cluster is not None:
+            step.on_ray(ray_cluster)
         ns[fn_name] = step
         self.last_step = step
         if not names:
@@ -144,6 +154,7 @@ class ParallelizeMagics(Magics):
         from alpa_lab.notebook.workbench import Workbench
 
         self.last_workbench = Workbench(plan, step, on_change=bind)
+        self.last_workbench.run_args = tuple(ns[a] for a in names)
         if opts.workbench:
             ns[opts.workbench] = self.last_workbench
         return self.last_workbench  # the cell's result: shown, and ``_`` in the next cell
@@ -164,6 +175,31 @@ class ParallelizeMagics(Magics):
         cause.__suppress_context__ = True
         self.shell.showtraceback((type(cause), cause, user_tb), tb_offset=0)
         print(f"%%parallelize: {err}; the step was not planned (fix the cell and run it again)", file=sys.stderr)
+
+    ray_clusters: dict[str, Any] = {}
+    """--ray value -> the RayCluster made for it (one local Ray per kernel, reused by later cells)"""
+
+    def _ray_cluster(self, text: str) -> Any:
+        known = ParallelizeMagics.ray_clusters.get(text)
+        if known is not None and not known._closed:
+            return known
+        try:
+            if text.startswith("local:"):
+                hosts, _, per_host = text[len("local:"):].partition("x")
+                try:
+                    shape = (int(hosts), int(per_host))
+                except ValueError:
+                    raise UsageError(f"%%parallelize: --ray {text!r}: write local:HOSTSxDEVICES, e.g. local:2x4") from None
+                for other in ParallelizeMagics.ray_clusters.values():  # one local Ray per process
+                    if other.started_here and not other._closed:
+                        other.shutdown()
+                cluster = al.RayCluster.local(*shape)
+            else:
+                cluster = al.RayCluster.connect(text)
+        except (al.RayClusterError, ValueError) as err:
+            raise UsageError(f"%%parallelize: --ray {text}: {err}") from None
+        ParallelizeMagics.ray_clusters[text] = cluster
+        return cluster
 
     @staticmethod
     def _cluster(text: str | None) -> al.ClusterSpec:

@@ -289,6 +289,25 @@ def measured_bars(records: Sequence[tuple[int, str, int, float, float]]) -> tupl
     return tuple(bars)
 
 
+def worker_bars(events: Sequence[Any], step: int) -> tuple[Bar, ...]:
+    """Bars of one step from the Ray mesh workers' events: RUNs on their stage's mesh, RECVs as transfers.
+
+    Times are from the step's first event (the events are in the driver's clock already).
+    """
+    mine = [e for e in events if e.step == step and e.kind in ("run", "recv")]
+    if not mine:
+        return ()
+    t0 = min(e.start for e in mine)
+    bars = []
+    for e in mine:
+        if e.kind == "run":
+            kind = "UPDATE" if e.phase == "apply" else "RUN"
+            bars.append(Bar(e.mesh, e.stage, kind, e.phase, e.microbatch, e.start - t0, e.end - t0, source="measured"))
+        else:
+            bars.append(Bar(e.mesh, -1, "TRANSFER", "recv", e.microbatch, e.start - t0, e.end - t0, source="measured", peer=e.peer))
+    return tuple(bars)
+
+
 _PHASE_LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W", "apply": "U", "step": "step "}
 
 

@@ -105,6 +105,16 @@ class Workbench(W.VBox):
         self.export_button.on_click(lambda _: self._guard(lambda: self.export_chrome_trace(self.trace_path.value)))
         self.timeline_box = W.VBox()
         self.measured_html = W.HTML()
+        # launch: run the current plan (on the step's Ray cluster when it has one) from the widget
+        self.run_args: tuple = ()
+        """the step's arguments for the Launch button (the magic sets them from --args)"""
+        self._stop = threading.Event()
+        self.launch_steps = W.BoundedIntText(value=3, min=1, max=1_000_000, description="steps")
+        self.launch_button = W.Button(description="Launch", button_style="success", icon="play")
+        self.launch_button.on_click(lambda _: self._guard(lambda: self.run(*self.run_args, steps=self.launch_steps.value)))
+        self.stop_button = W.Button(description="Stop", icon="stop", tooltip="stop after the current step; the state is kept")
+        self.stop_button.on_click(lambda _: self.stop())
+        self.backend_html = W.HTML()
         # traffic
         self.traffic_box = W.VBox()
         self.traffic_cell = W.Dropdown(description="cell", options=[])
@@ -140,7 +150,11 @@ class Workbench(W.VBox):
         self.tabs = W.Tab(children=[
             self.overview_box,
             W.VBox([self.tensor_select, self.heatmap_box]),
-            W.VBox([W.HBox([self.schedule_select, self.trace_path, self.export_button]), self.timeline_box, self.measured_html]),
+            W.VBox([
+                W.HBox([self.schedule_select, self.trace_path, self.export_button]),
+                W.HBox([self.launch_steps, self.launch_button, self.stop_button, self.backend_html]),
+                self.timeline_box, self.measured_html,
+            ]),
             W.VBox([self.traffic_box, self.traffic_cell, self.traffic_tasks]),
             W.VBox([
                 self.op_filter, self.op_select, self.explain_html, W.HBox([self.strategy_select, self.pin_button, self.unpin_button]),
@@ -169,6 +183,8 @@ class Workbench(W.VBox):
             f"{plan.estimated_step_time * 1e3:.3f} ms, memory/device {render._fmt_bytes(plan.memory_per_device)}"
         )
         self.overview_box.children = [_figure(render.overview_figure(ov)), self.overview_measured]
+        cluster = getattr(self.step, "ray_cluster", None)
+        self.backend_html.value = f"runs on {html.escape(repr(cluster))}" if cluster is not None else "runs in this process"
         self._tensors = views.tensors(plan)
         names = sorted(self._tensors)
         self.tensor_select.options = names
@@ -404,6 +420,8 @@ class Workbench(W.VBox):
         """
         if self.step is None:
             raise ValueError("this workbench has no step to run: make it with Workbench(plan, step)")
+        if not args:
+            raise ValueError("no arguments to run the step with: wb.run(state, batch), or set wb.run_args = (state, batch)")
         if self._thread is not None and self._thread.is_alive():
             raise ValueError("a run is already in progress; wait for it (workbench.wait())")
         update = update or (lambda res: (res[0], *args[1:]))
@@ -414,20 +432,27 @@ class Workbench(W.VBox):
 
             current = args
             compiled = None
+            on_ray = getattr(self.step, "ray_cluster", None) is not None
             try:
                 compiled = self.step.compiled(*current)
-                pipelined = isinstance(compiled, CompiledPipeline)
+                pipelined = isinstance(compiled, CompiledPipeline) and not on_ray
                 if pipelined:
                     compiled.profile = True  # wait for each unit task: records are run times, not dispatch times
                 self.measured = ()  # a single-mesh step is one jitted program: one bar per step
                 start = time.perf_counter()
                 for i in range(steps):
+                    if self._stop.is_set():
+                        self.status.value = f"stopped after step {i} of {steps} (state kept: workbench.result)"
+                        break
                     t0 = time.perf_counter()
                     res = self.step(*current)
                     jax.block_until_ready(res)
                     t1 = time.perf_counter()
                     self.measured_steps.append(t1 - t0)
-                    if pipelined:
+                    if on_ray:  # the mesh workers' events of this step
+                        run = self.step.ray_run
+                        self.measured = views.worker_bars(run.events(), run.steps_done - 1)
+                    elif pipelined:
                         self.measured = views.measured_bars(compiled.last_timings.get("records", ()))
                     else:
                         self.measured += (views.Bar(0, 0, "RUN", "step", i, t0 - start, t1 - start, source="measured"),)
@@ -442,11 +467,16 @@ class Workbench(W.VBox):
                 if isinstance(compiled, CompiledPipeline):
                     compiled.profile = False
 
+        self._stop.clear()
         self._thread = threading.Thread(target=work, name="alpa_lab-run", daemon=True)
         self._thread.start()
         if block:
             self._thread.join()
         return self._thread
+
+    def stop(self) -> None:
+        """Stop the background run after the step it is in; its last result stays (``self.result``)."""
+        self._stop.set()
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for the background run; returns its last result."""
