@@ -56,7 +56,7 @@ class Event:
 class MeshWorker:
     """Owns the devices of one mesh on one host; runs the stages placed on that mesh."""
 
-    def __init__(self, worker: int, host: int, num_devices: int, platform: str = "cpu"):
+    def __init__(self, worker: int, host: int, num_devices: int, platform: str = "cpu", rank: int = 0):
         if platform == "cpu":  # simulated devices: the count must be set before JAX is imported here
             flags = os.environ.get("XLA_FLAGS", "")
             if "xla_force_host_platform_device_count" not in flags:
@@ -64,7 +64,7 @@ class MeshWorker:
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax  # noqa: F401  (first import in this process, after the flags)
 
-        self.worker, self.host, self.platform = worker, host, platform
+        self.worker, self.host, self.platform, self.rank = worker, host, platform, rank
         self.num_devices = num_devices
         self._cv = threading.Condition()
         self._inbox: dict[tuple[int, int, int], Any] = {}
@@ -84,13 +84,35 @@ class MeshWorker:
             "host": self.host,
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
-            "devices": [str(d) for d in jax.devices()],
+            "ip": _node_ip(),
+            "devices": [str(d) for d in jax.local_devices()],
             "platform": jax.devices()[0].platform,
             "jax": jax.__version__,
         }
 
     def clock(self) -> float:
         return time.time()
+
+    def node_ip(self) -> str:
+        """This node's address as Ray sees it (no JAX call: a group member may not have joined yet)."""
+        return _node_ip()
+
+    def free_port(self, ip: str = "127.0.0.1") -> int:
+        """A free TCP port on ``ip`` for this mesh's coordination service (the group's rank 0 hosts it)."""
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return s.getsockname()[1]
+
+    def join_group(self, coordinator: str, num_processes: int) -> None:
+        """Join this mesh's ``jax.distributed`` group (a mesh spanning hosts is one SPMD program over its workers).
+
+        Must come before any other JAX call in this process; gloo carries the collectives on the CPU.
+        """
+        import jax
+
+        if self.platform == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=self.rank)
 
     # ----- set-up, once -------------------------------------------------------------------
     def load(self, program: WorkerProgram, peers: list[Any], state: dict[int, np.ndarray]) -> dict[str, float]:
@@ -99,15 +121,21 @@ class MeshWorker:
         from jax.sharding import Mesh
 
         t0 = time.perf_counter()
-        devices = jax.devices()
-        if len(devices) < len(program.placement.device_ids):
-            raise RuntimeError(
-                f"worker {self.worker} on host {self.host} sees {len(devices)} devices but its mesh needs "
-                f"{len(program.placement.device_ids)}"
-            )
-        local = program.placement.local_index
+        pl = program.placement
+        by_rank = {r: sorted((d for d in jax.devices() if d.process_index == r), key=lambda d: d.id) for r in range(len(pl.hosts))}
+        for r, h in enumerate(pl.hosts):
+            if len(by_rank[r]) < len(pl.devices_on(h)):
+                raise RuntimeError(
+                    f"worker {self.worker} (rank {r}, host {h}) has {len(by_rank[r])} devices but the mesh needs "
+                    f"{len(pl.devices_on(h))} there"
+                )
+
+        def device(d: int) -> Any:
+            r, j = pl.local_position(d)
+            return by_rank[r][j]
+
         self._meshes = {
-            s: Mesh(np.array([devices[local[d]] for d in ids], dtype=object).reshape(program.stage_shapes[s]), ("x", "y"))
+            s: Mesh(np.array([device(d) for d in ids], dtype=object).reshape(program.stage_shapes[s]), ("x", "y"))
             for s, ids in program.stage_devices.items()
         }
         self._fns = {}
@@ -228,7 +256,7 @@ class MeshWorker:
             import ray
 
             t = time.time()
-            host = np.asarray(x)
+            host = _to_host(x)
             ref = ray.put(host)
             for peer in to:
                 call = self._peers[peer].receive.remote(step + (1 if tag == STATE else 0), v, tag, ref, self.worker, t, step)
@@ -304,7 +332,7 @@ class MeshWorker:
             others = tuple(r for r in readers if r != self.worker)
             if others:
                 send(v, STATE, x, others, STATE)
-        results = {i: np.asarray(step_values[o]) for i, o in prog.results}
+        results = {i: _to_host(step_values[o]) for i, o in prog.results}
         if acks:
             import ray
 
@@ -329,7 +357,7 @@ class MeshWorker:
         """The state leaves this worker holds (those made here, and those it reads), as host arrays."""
         prog = self._program
         own = {v for _, v, _ in prog.state_out} if prog else set()
-        return {v: np.asarray(x) for v, x in self._state.items() if v in own or v not in (prog.remote_state if prog else ())}
+        return {v: _to_host(x) for v, x in self._state.items() if v in own or v not in (prog.remote_state if prog else ())}
 
     def events(self, since: int = 0) -> tuple[int, list[Event]]:
         """Events from index ``since`` on, and the index to ask from next time."""
@@ -355,3 +383,21 @@ def _resolve(refs: dict[int, Any]) -> dict[int, Any]:
     keys = list(refs)
     values = ray.get([refs[k] for k in keys])
     return dict(zip(keys, values))
+
+
+def _to_host(x: Any) -> np.ndarray:
+    """A host copy of ``x``; an array spread over a group of processes is gathered (every member calls this)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests of the class itself)
+        return "127.0.0.1"

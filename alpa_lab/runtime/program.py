@@ -49,11 +49,19 @@ class MeshPlacement:
     device_ids: tuple[int, ...]
     hosts: tuple[int, ...]
     stages: tuple[int, ...]
+    devices_per_host: int = 0
 
-    @property
-    def local_index(self) -> dict[int, int]:
-        """Global device id -> index among this mesh's devices on its worker (sorted order)."""
-        return {d: i for i, d in enumerate(sorted(self.device_ids))}
+    def host_of(self, device: int) -> int:
+        return device // self.devices_per_host if self.devices_per_host else self.hosts[0]
+
+    def devices_on(self, host: int) -> tuple[int, ...]:
+        """This mesh's devices on ``host``, sorted: the order of that host's worker's local devices."""
+        return tuple(sorted(d for d in self.device_ids if self.host_of(d) == host))
+
+    def local_position(self, device: int) -> tuple[int, int]:
+        """(rank of the device's host in the mesh's worker group, index among that worker's devices)."""
+        host = self.host_of(device)
+        return self.hosts.index(host), self.devices_on(host).index(device)
 
 
 @dataclass(frozen=True)
@@ -111,10 +119,10 @@ def mesh_placements(compiled: Any, devices_per_host: int) -> tuple[MeshPlacement
         for p in range(sched.num_meshes):
             stages = sched.stages_of(p)
             ids = tuple(compiled.stages[stages[0]].device_ids)
-            out.append(MeshPlacement(p, ids, tuple(sorted({d // devices_per_host for d in ids})), tuple(stages)))
+            out.append(MeshPlacement(p, ids, tuple(sorted({d // devices_per_host for d in ids})), tuple(stages), devices_per_host))
         return tuple(out)
     ids = tuple(compiled.plan.device_ids)
-    return (MeshPlacement(0, ids, tuple(sorted({d // devices_per_host for d in ids})), (0,)),)
+    return (MeshPlacement(0, ids, tuple(sorted({d // devices_per_host for d in ids})), (0,), devices_per_host),)
 
 
 def export_task(fn: Any, graph: Any, invars: Sequence[int], in_shardings: Sequence[Any]) -> bytes:
@@ -223,7 +231,21 @@ def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacemen
                 results=tuple((i, o) for i, o in enumerate(results) if i >= num_state and producer.get(o) == w),
             )
         )
+    for p in programs:  # a mesh spanning hosts runs as one SPMD group; its tensors do not cross meshes yet
+        if len(p.placement.hosts) > 1 and (p.send_microbatch or p.send_step or p.remote_state or _receives(p, programs)):
+            raise ProgramError(
+                f"mesh {p.placement.mesh} spans hosts {list(p.placement.hosts)} and exchanges tensors with another mesh; the Ray "
+                "runtime moves tensors between meshes that each lie within one host for now. Pin sub-meshes inside a host "
+                "(plan.pin_stages(ranges, submeshes=[(1, devices_per_host), ...])) or use one mesh for the whole step"
+            )
     return tuple(programs)
+
+
+def _receives(p: WorkerProgram, programs: Sequence[WorkerProgram]) -> bool:
+    w = p.worker
+    return any(w in to for q in programs for to in (*q.send_microbatch.values(), *q.send_step.values())) or any(
+        w in readers and q.worker != w for q in programs for _, _, readers in q.state_out
+    )
 
 
 @dataclass(frozen=True, eq=False)

@@ -203,7 +203,8 @@ class RayRun:
 
     def predicted_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per step (sender worker, receiver worker) the programs say will move."""
-        return predicted_traffic(self.programs, self.plan_graph_vars, self.num_microbatches)
+        per_mesh = {p.worker: p for p in self.programs}
+        return predicted_traffic(tuple(per_mesh.values()), self.plan_graph_vars, self.num_microbatches)
 
     # ----- ending ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -292,14 +293,6 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
     compiled = step.compiled(*args)
     t_compile = time.perf_counter() - t0
     placements = mesh_placements(compiled, cluster.devices_per_host)
-    for pl in placements:
-        if len(pl.hosts) > 1:
-            raise LaunchError(
-                f"mesh {pl.mesh} of this plan spans hosts {list(pl.hosts)} (devices {list(pl.device_ids)}); the Ray runtime "
-                "runs each mesh on one host's worker for now. Plan with meshes inside a host, e.g. "
-                "plan.pin_stages(ranges, submeshes=[(1, devices_per_host), ...]) or parallelize(..., mesh_shape=(1, devices_per_host)) "
-                "on ClusterSpec.local(1, devices_per_host)"
-            )
     state_leaves, state_tree = jax.tree_util.tree_flatten(state)
     num_state = len(state_leaves)
     out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
@@ -314,7 +307,11 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
     t_export = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    bundles = [{"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.device_ids)} for pl in placements]
+    # one mesh worker per (mesh, host): a mesh within a host is one worker, a mesh spanning hosts a jax.distributed group
+    members = [(prog, pl, rank, h) for prog, pl in zip(programs, placements) for rank, h in enumerate(pl.hosts)]
+    bundles = [
+        {"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.devices_on(h))} for _, pl, _, h in members
+    ]
     pg = ray.util.placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_seconds=60):
         ray.util.remove_placement_group(pg)
@@ -323,20 +320,27 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
     actors = []
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    for k, pl in enumerate(placements):
+    for k, (prog, pl, rank, h) in enumerate(members):
+        n = len(pl.devices_on(h))
         opts: dict[str, Any] = {
             "num_cpus": 1,
             "max_concurrency": 8,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
         }
         if cluster.platform == "cpu":
-            opts["runtime_env"] = {
-                "env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={len(pl.device_ids)}", "JAX_PLATFORMS": "cpu"}
-            }
+            opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}}
         else:
-            opts["num_gpus"] = len(pl.device_ids)
-        actors.append(actor_cls.options(**opts).remote(k, pl.hosts[0], len(pl.device_ids), cluster.platform))
+            opts["num_gpus"] = n
+        actors.append(actor_cls.options(**opts).remote(prog.worker, h, n, cluster.platform, rank))
     try:
+        joins = []
+        for prog, pl in zip(programs, placements):
+            if len(pl.hosts) > 1:
+                group = [a for a, m in zip(actors, members) if m[0] is prog]
+                ip = "127.0.0.1" if cluster.started_here else ray.get(group[0].node_ip.remote())
+                port = ray.get(group[0].free_port.remote(ip))
+                joins += [a.join_group.remote(f"{ip}:{port}", len(group)) for a in group]
+        ray.get(joins, timeout=120)
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
         offsets = []
         for a in actors:
@@ -355,23 +359,26 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
     readers = {v: tuple(p.worker for p in programs if v in p.inputs) for v in invars}
     host_state = [np.asarray(x) for x in state_leaves]
     loads = []
-    for p, a in zip(programs, actors):
-        mine = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state) if v in p.inputs or any(v == sv for _, sv, _ in p.state_out)}
-        loads.append(a.load.remote(p, actors, mine))
+    state_refs = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state)}
+    peers = [next(a for a, m in zip(actors, members) if m[0] is p) for p in programs]  # a mesh's sender: its rank 0
+    for (p, _, _, _), a in zip(members, actors):
+        mine = {v: ref for v, ref in state_refs.items() if v in p.inputs or any(v == sv for _, sv, _ in p.state_out)}
+        loads.append(a.load.remote(p, peers, mine))
     workers = tuple(
         WorkerInfo(
             worker=k,
             mesh=pl.mesh,
-            hosts=pl.hosts,
+            hosts=(h,),
             stages=pl.stages,
-            device_ids=pl.device_ids,
+            device_ids=pl.devices_on(h),
             pid=info["pid"],
             hostname=info["hostname"],
             devices=tuple(info["devices"]),
             clock_offset=off,
         )
-        for k, (pl, info, off) in enumerate(zip(placements, infos, offsets))
+        for k, ((_, pl, _, h), info, off) in enumerate(zip(members, infos, offsets))
     )
+    programs = tuple(m[0] for m in members)  # per actor, in the order of ``actors`` and ``workers``
     host_leaves: dict[int, Any] = {}
     made = {o for p in programs for o in [*(o for o, _, _ in p.state_out), *(o for _, o in p.results)]}
     for i, o in enumerate(graph.outvars):
