@@ -313,7 +313,8 @@ class ParallelizedStep:
         if run is None or run.closed or run.plan is not self.current_plan or state is not self._ray_state:
             if run is not None:
                 run.close()
-            self.ray_run = run = self.launch(self.ray_cluster, state, *rest, **{"keep_state_every": 1, **self._ray_options})
+            options = {"keep_state_every": 1, **self._ray_options}  # the step returns the state: keep it every step
+            self.ray_run = run = self.launch(self.ray_cluster, state, *rest, **options)
         out = run.step(*rest)
         self._ray_state = run.last_state if run.last_state_step == run.steps_done else run.state()
         others = out if isinstance(out, tuple) and len(out) != 1 else (out,)
@@ -333,12 +334,15 @@ class ParallelizedStep:
             raise ValueError("this step was never traced: call step.plan(state, batch) first, or pass the batch")
         return (state, *self._last_args[1:])
 
-    def launch(self, cluster: Any, state: Any, *example: Any, keep_state_every: int = 1, step_timeout: float | None = None) -> Any:
+    def launch(
+        self, cluster: Any, state: Any, *example: Any, keep_state_every: int | None = None, step_timeout: float | None = None
+    ) -> Any:
         """Run the current plan on a Ray cluster's mesh workers (``RayCluster``); returns the ``RayRun``.
 
         The state goes to the workers once and stays there; ``run.step(batch)`` trains,
         ``run.state()`` fetches the state. The driver keeps a copy every ``keep_state_every``
-        steps (``run.last_state``), to launch again from if a worker dies.
+        steps (``run.last_state``), to launch again from if a worker dies; by default every
+        step for states up to 256 MiB, every 100 steps for bigger ones.
         """
         from alpa_lab.runtime.ray_run import launch
 

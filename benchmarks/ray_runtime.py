@@ -10,7 +10,7 @@ per step as measured by senders and receivers against the programs' prediction.
 ``--transport`` adds the CPU transport's throughput between two workers (the mesh workers'
 path: the sender ``ray.put``s, the receiver gets the object ref in a method call) for 1, 16
 and 128 MiB, against a plain ``ray.get`` of a numpy array of the same size put by the other
-actor.
+actor (both timed in the sender, the put included).
 
     python benchmarks/ray_runtime.py [--models mlp,gpt] [--steps 20] [--transport]
 """
@@ -75,37 +75,31 @@ def bench_model(name: str, cluster: al.RayCluster, steps: int) -> None:
 def bench_transport(sizes_mib=(1, 16, 128), repeats: int = 5) -> None:
     import ray
 
+    from alpa_lab.runtime.mesh_worker import INLINE_BYTES, MeshWorker
+
     @ray.remote(num_cpus=0)
-    class Peer:
-        def __init__(self):
-            self.arrived = None
-
-        def make(self, nbytes: int):
-            return ray.put(np.ones(nbytes // 4, np.float32))
-
-        def send_to(self, other, nbytes: int) -> float:
+    class Peer(MeshWorker):
+        def send_to(self, other, nbytes: int, plain: bool) -> float:
             x = np.ones(nbytes // 4, np.float32)
             t0 = time.perf_counter()
-            ray.get(other.take.remote(ray.put(x)))  # the mesh workers' path: a ref handed actor to actor
+            if plain:  # baseline: put the array, the other actor ray.get()s it by reference
+                ray.get(other.get.remote([ray.put(x)]))
+            else:  # the mesh workers' path: MeshWorker.receive itself, as a send calls it
+                ray.get(other.receive.remote(0, 0, 0, x if x.nbytes <= INLINE_BYTES else [ray.put(x)], 1, 0.0, 0))
             return time.perf_counter() - t0
 
-        def take(self, x) -> int:
-            return int(x.nbytes)
+        def get(self, refs) -> int:
+            return int(ray.get(refs[0]).nbytes)
 
-        def get(self, refs) -> float:
-            t0 = time.perf_counter()
-            ray.get(refs[0])
-            return time.perf_counter() - t0
-
-    a, b = Peer.remote(), Peer.remote()
-    ray.get(a.send_to.remote(b, 1 << 20))  # first contact between the two
+    a, b = Peer.remote(0, 0, 1), Peer.remote(1, 0, 1)
+    ray.get(a.send_to.remote(b, 1 << 20, False))  # first contact between the two
     for mib in sizes_mib:
         n = mib << 20
-        ours = statistics.median(ray.get(a.send_to.remote(b, n)) for _ in range(repeats))
-        plain = statistics.median(ray.get(b.get.remote([ray.get(a.make.remote(n))])) for _ in range(repeats))
+        ours = statistics.median(ray.get(a.send_to.remote(b, n, False)) for _ in range(repeats))
+        plain = statistics.median(ray.get(a.send_to.remote(b, n, True)) for _ in range(repeats))
         print(
             f"transport {mib:4d} MiB: worker->worker {ours * 1e3:7.1f} ms ({mib / 1024 / ours:6.2f} GiB/s) | "
-            f"plain ray.get {plain * 1e3:7.1f} ms | ratio {ours / plain:5.2f}x"
+            f"put + plain ray.get {plain * 1e3:7.1f} ms | ratio {ours / plain:5.2f}x"
         )
 
 

@@ -10,3 +10,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Per example model, ``STEPS`` steps of the independent reference (``test_pipeline.accumulated_step``):
+    plain JAX on one device, gradient accumulation over the same micro-batches. Shared by the
+    in-process pipeline tests and the Ray runtime tests."""
+    from alpa_lab.models import tiny_example
+    from test_pipeline import MICROBATCHES, MODELS, STEPS, accumulated_step
+
+    out = {}
+    for name in MODELS:
+        ex = tiny_example(name)
+        step = accumulated_step(ex, MICROBATCHES)
+        states, state = [], ex.state
+        for _ in range(STEPS):
+            state, loss = step(state, ex.batch)
+            states.append((state, loss))
+        out[name] = states
+    return out

@@ -155,20 +155,6 @@ def test_hand_placed_boundaries_define_the_layers():
 
 # ----- numerics --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def references():
-    out = {}
-    for name in MODELS:
-        ex = tiny_example(name)
-        step = accumulated_step(ex, MICROBATCHES)
-        states, state = [], ex.state
-        for _ in range(STEPS):
-            state, loss = step(state, ex.batch)
-            states.append((state, loss))
-        out[name] = states
-    return out
-
-
-@pytest.fixture(scope="module")
 def pipelined_steps():
     """One planned step per model (4 layers, DP plan); stage pins are applied per test."""
     out = {}

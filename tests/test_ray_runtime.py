@@ -23,7 +23,7 @@ from alpa_lab.models import tiny_example
 from alpa_lab.runtime.ray_cluster import RayCluster, RayClusterError
 from alpa_lab.runtime.ray_run import LaunchError, MeshWorkerError
 
-from test_pipeline import MICROBATCHES, STEPS, accumulated_step, assert_close
+from test_pipeline import MICROBATCHES, STEPS, assert_close
 
 pytest.importorskip("ray")
 
@@ -38,20 +38,6 @@ def cluster():
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout.split()
     assert not left, f"Ray processes left running after shutdown: {left}"
-
-
-@pytest.fixture(scope="module")
-def references():
-    out = {}
-    for name in ("mlp", "gpt", "moe", "wide_resnet"):
-        ex = tiny_example(name)
-        step = accumulated_step(ex, MICROBATCHES)
-        states, state = [], ex.state
-        for _ in range(STEPS):
-            state, loss = step(state, ex.batch)
-            states.append((state, loss))
-        out[name] = states
-    return out
 
 
 def two_stage_step(name: str, cluster: RayCluster, schedule: str = "1f1b", stages=((0, 1), (2, 3)), submesh=(1, 4)):
@@ -262,11 +248,11 @@ def test_local_ray_refuses_a_second_start(cluster):
 
 # ----- notebook: %%parallelize --ray and the workbench's Launch -------------------------------------
 def test_magic_runs_the_step_on_ray_and_the_workbench_launches(cluster, references):
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython, start_ipython
 
     from alpa_lab.notebook.magic import ParallelizeMagics
 
-    ip = start_ipython()
+    ip = start_ipython() or get_ipython()  # one IPython app per process: another test module may have started it
     ip.run_line_magic("load_ext", "alpa_lab")
     ex = tiny_example("mlp")
     ip.user_ns.update(ex_step=ex.train_step, state=ex.state, batch=ex.batch)

@@ -168,7 +168,9 @@ def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacemen
     state_args = graph.invars[:num_state]
     results = graph.outvars
     if len(results) < num_state:
-        raise ProgramError(f"the step returns {len(results)} results but takes {num_state} state leaves; it must return the new state first")
+        raise ProgramError(
+            f"the step returns {len(results)} results but takes {num_state} state leaves; it must return the new state first"
+        )
     for i, (o, v) in enumerate(zip(results[:num_state], state_args)):
         kind = graph.vars[o].kind
         if o in producer:

@@ -62,12 +62,17 @@ class RayCluster:
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
-    def local(cls, hosts: int = 2, devices_per_host: int = 4, *, spec: ClusterSpec | None = None) -> RayCluster:
+    def local(
+        cls, hosts: int = 2, devices_per_host: int = 4, *, spec: ClusterSpec | None = None, platform: str = "cpu"
+    ) -> RayCluster:
         """Start a local Ray (127.0.0.1, no dashboard); each host's devices are simulated CPU devices.
 
         ``spec``: the cluster to plan for (default ``ClusterSpec.local(hosts, devices_per_host)``);
-        it must have the same hosts and devices per host.
+        it must have the same hosts and devices per host. ``platform="gpu"``: this machine's
+        GPUs instead (hosts x devices_per_host of them), one per device, assigned by Ray.
         """
+        if platform not in ("cpu", "gpu"):
+            raise ValueError(f"platform must be 'cpu' (simulated devices) or 'gpu', got {platform!r}")
         for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -84,12 +89,21 @@ class RayCluster:
         ctx = ray.init(
             address="local",
             num_cpus=max(2, hosts * devices_per_host),
+            **({"num_gpus": None} if platform == "gpu" else {"num_gpus": 0}),
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")),
             configure_logging=False,
         )
-        cluster = cls(spec=replace(spec, simulated=True), platform="cpu", address=ctx.address_info.get("gcs_address", ""), started_here=True)
+        address = ctx.address_info.get("gcs_address", "")
+        if platform == "gpu":
+            have = int(ray.cluster_resources().get("GPU", 0))
+            if have < hosts * devices_per_host:
+                ray.shutdown()
+                raise RayClusterError(f"asked for {hosts}x{devices_per_host} GPUs but Ray finds {have} on this machine")
+        else:
+            spec = replace(spec, simulated=True)
+        cluster = cls(spec=spec, platform=platform, address=address, started_here=True)
         cluster.start_seconds = time.perf_counter() - t0
         return cluster
 

@@ -77,6 +77,7 @@ class RayRun:
     host_leaves: dict[int, Any] = field(default_factory=dict, repr=False)
     """flat result index -> value the driver knows without the workers (constants, unchanged leaves)"""
     keep_state_every: int = 1
+    """the driver keeps a copy of the state every this many steps (0: never); it comes back with the step's reply"""
     step_timeout: float | None = None
     launch_seconds: dict[str, float] = field(default_factory=dict)
     steps_done: int = 0
@@ -102,13 +103,16 @@ class RayRun:
             raise ValueError(f"the step takes {len(avals)} array leaves after the state; got {len(leaves)}")
         for i, (x, a) in enumerate(zip(leaves, avals)):
             if tuple(np.shape(x)) != tuple(a.shape):
-                raise ValueError(f"argument leaf {i} after the state has shape {tuple(np.shape(x))}; the plan was made for {tuple(a.shape)}")
+                raise ValueError(
+                    f"argument leaf {i} after the state has shape {tuple(np.shape(x))}; the plan was made for {tuple(a.shape)}"
+                )
         batch_vars = self._invars[self.num_state :]
         refs = {v: ray.put(np.asarray(x)) for v, x in zip(batch_vars, leaves)}
+        keep = bool(self.keep_state_every) and (self.steps_done + 1) % self.keep_state_every == 0
         calls = []
         for prog, actor in zip(self.programs, self.actors):
             mine = {v: refs[v] for v in batch_vars if v in prog.inputs}
-            calls.append(actor.run_step.remote(self.steps_done, mine))
+            calls.append(actor.run_step.remote(self.steps_done, mine, keep))  # the state snapshot rides on the reply
         replies = self._gather(calls, f"step {self.steps_done}")
         self.steps_done += 1
         sent = {}
@@ -118,8 +122,8 @@ class RayRun:
             for peer, n in rep["sent"].items():
                 sent[(prog.worker, peer)] = n
         self.traffic.append({"sent": sent, "seconds": max(r["seconds"] for r in replies)})
-        if self.keep_state_every and self.steps_done % self.keep_state_every == 0:
-            self.last_state = self.state()
+        if keep:
+            self.last_state = self._assemble_state([r["state"] for r in replies])
             self.last_state_step = self.steps_done
         flat = [results[i] for i in range(self.num_state, len(self._outvars))]
         rest = jax.tree_util.tree_unflatten(self._rest_tree, flat)
@@ -145,7 +149,9 @@ class RayRun:
             if deadline is not None and time.monotonic() > deadline and pending:
                 waiting = ", ".join(self.workers[i].describe() for i in pending.values())
                 self.close()
-                raise MeshWorkerError(f"{what} did not finish within {self.step_timeout:.0f} s; still waiting on {waiting}; the run was closed")
+                raise MeshWorkerError(
+                    f"{what} did not finish within {self.step_timeout:.0f} s; still waiting on {waiting}; the run was closed"
+                )
         return replies
 
     def _fail(self, i: int, error: BaseException, what: str) -> None:
@@ -154,18 +160,24 @@ class RayRun:
         if isinstance(error, ray.exceptions.ActorDiedError) or isinstance(error, ray.exceptions.ActorUnavailableError):
             cause = "its process died (killed, out of memory, or crashed)"
         elif isinstance(error, ray.exceptions.RayTaskError):
-            cause = f"{type(error.cause).__name__ if error.cause is not None else 'error'}: {error.cause if error.cause is not None else error}"
+            inner = error.cause if error.cause is not None else error
+            cause = f"{type(inner).__name__}: {inner}"
         else:
             cause = f"{type(error).__name__}: {error}"
         self.close()
-        kept = f"the last state kept on the driver is from step {self.last_state_step}" if self.last_state is not None else "no state was kept"
+        kept = "no state was kept"
+        if self.last_state is not None:
+            kept = f"the last state kept on the driver is from step {self.last_state_step}"
         raise MeshWorkerError(f"{what} failed on {info.describe()}: {cause}. The run was closed; {kept} (run.last_state).", info) from error
 
     # ----- reading back ---------------------------------------------------------------------
     def state(self) -> Any:
         """The current state fetched from the workers, in the structure of the state launched with."""
         self._check_open()
-        parts = self._gather([a.state.remote() for a in self.actors], "fetching the state")
+        return self._assemble_state(self._gather([a.state.remote() for a in self.actors], "fetching the state"))
+
+    def _assemble_state(self, parts: list[dict[int, Any]]) -> Any:
+        """The state pytree from the leaves each worker holds (leaves no worker holds: unchanged since launch)."""
         held: dict[int, Any] = {}
         for p in parts:
             held.update(p)
@@ -239,6 +251,10 @@ class RayRun:
     _rest_tree: Any = field(default=None, repr=False)
 
 
+KEEP_EVERY_STEP_BYTES = 256 * 2**20
+"""States up to this size are copied back to the driver after every step by default."""
+
+
 def predicted_traffic(programs: tuple[WorkerProgram, ...], graph_vars: Any, num_microbatches: int) -> dict[tuple[int, int], int]:
     """Bytes per step each worker sends each other worker: every cross-worker tensor once per receiver.
 
@@ -260,7 +276,14 @@ def predicted_traffic(programs: tuple[WorkerProgram, ...], graph_vars: Any, num_
     return dict(out)
 
 
-def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state_every: int = 1, step_timeout: float | None = None) -> RayRun:
+def launch(
+    step: Any,
+    cluster: RayCluster,
+    state: Any,
+    *example: Any,
+    keep_state_every: int | None = None,
+    step_timeout: float | None = None,
+) -> RayRun:
     """Place the step's current plan on ``cluster``'s mesh workers and ship programs and state once.
 
     ``example``: the step's other arguments (shapes only) if the plan was not made with them.
@@ -295,6 +318,11 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
     placements = mesh_placements(compiled, cluster.devices_per_host)
     state_leaves, state_tree = jax.tree_util.tree_flatten(state)
     num_state = len(state_leaves)
+    if keep_state_every is None:  # every step for a small state; a big one is not copied to the driver each step
+        state_bytes = sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes for x in state_leaves)
+        keep_state_every = 1 if state_bytes <= KEEP_EVERY_STEP_BYTES else 100
+    if isinstance(keep_state_every, bool) or not isinstance(keep_state_every, int) or keep_state_every < 0:
+        raise LaunchError(f"keep_state_every must be a number of steps (0: never), got {keep_state_every!r}")
     out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
     if not out_children or out_children[0] != state_tree:
         raise LaunchError("the step must return (new_state, ...) with the same structure as the state it takes, as step(state, batch) does")
@@ -315,7 +343,9 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
     pg = ray.util.placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_seconds=60):
         ray.util.remove_placement_group(pg)
-        raise LaunchError(f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s; the cluster has {ray.available_resources()}")
+        raise LaunchError(
+            f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s; the cluster has {ray.available_resources()}"
+        )
     actor_cls = ray.remote(MeshWorker)
     actors = []
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -402,7 +432,8 @@ def launch(step: Any, cluster: RayCluster, state: Any, *example: Any, keep_state
         out_tree=graph.out_tree,
         state_tree=state_tree,
         num_state=num_state,
-        arg_avals=tuple(jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype)) for x in jax.tree_util.tree_leaves(args)),
+        arg_avals=tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
+                        for x in jax.tree_util.tree_leaves(args)),
         host_leaves=host_leaves,
         keep_state_every=keep_state_every,
         step_timeout=step_timeout,
