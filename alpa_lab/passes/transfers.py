@@ -6,7 +6,9 @@ MLSys'23, see ``sharding.cross_mesh``). Forward activations and backward gradien
 once per micro-batch; what the weight update reads from another stage (averaged
 gradients, the loss, results of another stage's update piece) moves once per step. A
 tensor read by several ops of one stage moves once; arguments of the step are placed,
-not transferred.
+not transferred, except the state: a state leaf whose new value is made on one stage and
+read on another (a tied embedding, a step counter) moves once per step, at its end
+(phase ``state``).
 
 This mirrors what ``runtime.pipeline`` does with ``jax.device_put`` and is what the
 "resharding traffic" view reads: bytes between meshes and hosts per step, and the unit
@@ -27,7 +29,10 @@ from alpa_lab.passes.stages import APPLY, ProgramSlicing
 from alpa_lab.plan import PlanFormatError, StageResult
 from alpa_lab.sharding.cross_mesh import CrossMeshResharding, cross_mesh_resharding
 
-__all__ = ["StageTransfer", "host_traffic", "pipeline_transfers", "stage_traffic", "stage_transfers"]
+__all__ = ["STATE", "StageTransfer", "host_traffic", "pipeline_transfers", "stage_traffic", "stage_transfers"]
+
+STATE = "state"
+"""The phase of a new state leaf moving to the stages that read it next step."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,13 @@ class StageTransfer:
 
     ``phase`` says when: ``forward`` (an activation) and ``backward`` (a gradient) are the
     phase of the op that computes it, and such a tensor moves once per micro-batch;
-    ``apply`` is a tensor the weight update reads, moved once per step.
+    ``apply`` is a tensor the weight update reads, moved once per step; ``state`` a new state
+    leaf, moved once per step to the stages that read the leaf (``var`` is the argument).
     """
 
     var: int
     name: str
-    """``<producer op:output>``, the path the reader stage's plan gives this input."""
+    """``<producer op:output>`` (for new state, the argument's path): the path the reader stage's plan gives this input."""
     shape: tuple[int, ...]
     dtype: str
     src_stage: int
@@ -51,7 +57,7 @@ class StageTransfer:
 
     @property
     def per_microbatch(self) -> bool:
-        return self.phase != APPLY
+        return self.phase not in (APPLY, STATE)
 
     @property
     def nbytes(self) -> int:
@@ -75,26 +81,35 @@ def stage_transfers(
     ``pieces``: the stages' programs if already cut (``PipelineProblem.piece``)."""
     stage_of_op = slicing.stage_of_ops([st.layers for st in stages])
     specs = stage_tensor_specs(graph, slicing, stages, pieces)
-    found: dict[tuple[int, int, bool], tuple[int, int, str]] = {}  # (var, dst, once per step) -> (src, dst, phase)
+    # (var, dst, when) -> (var as made, src, phase); when: 0 per micro-batch, 1 once per step, 2 new state
+    found: dict[tuple[int, int, int], tuple[int, int, str]] = {}
     for op in graph.ops:
         dst = stage_of_op[op.index]
         once = slicing.phase[op.index] == APPLY
         for v in op.inputs:
             p = graph.vars[v].producer
-            if p is None or stage_of_op[p] == dst or (v, dst, once) in found:
+            if p is None or stage_of_op[p] == dst or (v, dst, int(once)) in found:
                 continue
-            found[(v, dst, once)] = (stage_of_op[p], dst, APPLY if once else slicing.phase[p])
+            found[(v, dst, int(once))] = (v, stage_of_op[p], APPLY if once else slicing.phase[p])
+    readers = graph.consumers()
+    for o, v in graph.state_carries():
+        p = graph.vars[o].producer
+        if p is None:
+            continue  # returned unchanged (or a constant): stays where it is
+        for dst in sorted({stage_of_op[i] for i in readers[v]} - {stage_of_op[p]}):
+            found[(v, dst, 2)] = (o, stage_of_op[p], STATE)
     out = []
-    for (v, _, _), (src, dst, phase) in found.items():
+    for (v, dst, _), (made, src, phase) in found.items():
         var = graph.vars[v]
         a, b = stages[src], stages[dst]
         resharding = cross_mesh_resharding(
             var.shape, var.dtype,
-            specs[src][v], a.logical_shape, a.device_ids,
+            specs[src][made], a.logical_shape, a.device_ids,
             specs[dst][v], b.logical_shape, b.device_ids,
             devices_per_host=devices_per_host,
         )
-        out.append(StageTransfer(v, cross_path(graph, v), var.shape, var.dtype, src, dst, phase, resharding))
+        name = graph.in_paths[graph.invars.index(v)] if phase == STATE else cross_path(graph, v)
+        out.append(StageTransfer(v, name, var.shape, var.dtype, src, dst, phase, resharding))
     return tuple(out)
 
 

@@ -3,10 +3,13 @@
 Alpa sec. 6 in today's terms. The driver sends a ``WorkerProgram`` once (``load``); a step is
 one ``run_step`` message per worker carrying only the batch leaves this worker reads. The
 worker then walks its stages' instruction lists with the same ``walk_schedule`` as the
-in-process runtime: a RUN goes when its inputs exist, a tensor another worker reads is sent
-to it directly (``receive`` on the peer, the bytes through Ray's object store, never through
-the driver), a tensor from another worker is waited for, and a micro-batch tensor is freed
-after its last local reader. Every instruction is recorded as an event (RUN, SEND, RECV,
+in-process runtime: a RUN goes when its inputs exist, and a micro-batch tensor is freed
+after its last local reader. A tensor another mesh reads moves as the plan's unit tasks
+(``program.Move``): this worker cuts the regions its devices were chosen to send out of
+their shards and sends each receiving host's worker one message (``receive`` on the peer,
+inline or through Ray's object store, never through the driver); a receiving worker
+waits for every region its host needs and assembles its devices' tiles in the
+destination sharding. Every instruction is recorded as an event (RUN, SEND, RECV,
 with its bytes) in this process's wall clock; the driver aligns clocks when it reads them.
 
 This module imports no Ray and no JAX at import time: the actor sets its device count
@@ -25,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from alpa_lab.runtime.program import STATE, STEP, WorkerProgram
+from alpa_lab.runtime.program import STATE, STEP, WorkerProgram, move_kind
 
 __all__ = ["Event", "MeshWorker", "WorkerAborted"]
 
 
 INLINE_BYTES = 64 * 1024
-"""Tensors up to this size are sent inside the RECV message instead of through the object store."""
+"""Messages carrying up to this many bytes are sent inline instead of through the object store."""
 
 
 class WorkerAborted(RuntimeError):
@@ -43,6 +46,7 @@ class Event:
     """One executed instruction. ``start``/``end`` are seconds in the driver's clock once read by it."""
 
     worker: int
+    """the mesh worker (one per mesh and host)"""
     mesh: int
     stage: int
     kind: str
@@ -54,6 +58,7 @@ class Event:
     end: float
     nbytes: int = 0
     peer: int = -1
+    """the other worker of a send or recv"""
     var: int = -1
 
 
@@ -71,11 +76,13 @@ class MeshWorker:
         self.worker, self.host, self.platform, self.rank = worker, host, platform, rank
         self.num_devices = num_devices
         self._cv = threading.Condition()
-        self._inbox: dict[tuple[int, int, int], Any] = {}
+        self._inbox: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}  # (step, var, tag) -> regions so far
         self._events: list[Event] = []
         self._aborted = False
         self._program: WorkerProgram | None = None
-        self._peers: list[Any] = []
+        self._peers: dict[tuple[int, int], Any] = {}
+        self._worker_ids: dict[tuple[int, int], int] = {}
+        self.mesh = -1  # set by load
         self._state: dict[int, Any] = {}  # state argument var -> its current value (host array or on a mesh)
         self._placed: dict[tuple[int, int, int], Any] = {}
 
@@ -119,8 +126,11 @@ class MeshWorker:
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=self.rank)
 
     # ----- set-up, once -------------------------------------------------------------------
-    def load(self, program: WorkerProgram, peers: list[Any], state: dict[int, np.ndarray]) -> dict[str, float]:
-        """Deserialise the program's unit tasks onto this worker's devices and take the state."""
+    def load(self, program: WorkerProgram, peers: dict[tuple[int, int], tuple[int, Any]], state: dict[int, np.ndarray]) -> dict[str, float]:
+        """Deserialise the program's unit tasks onto this worker's devices and take the state.
+
+        ``peers``: (mesh, host) -> (worker id, actor) of every mesh worker, where the moves' messages go.
+        """
         import jax
         from jax.sharding import Mesh
 
@@ -142,6 +152,13 @@ class MeshWorker:
             s: Mesh(np.array([device(d) for d in ids], dtype=object).reshape(program.stage_shapes[s]), ("x", "y"))
             for s, ids in program.stage_devices.items()
         }
+        self.mesh = pl.mesh
+        self.host = pl.hosts[self.rank]
+        self._plan_id = {device(d): d for d in pl.device_ids if pl.host_of(d) == self.host}
+        # per incoming move, the unit tasks whose regions this host receives (one message per sender host)
+        self._expect = {
+            key: {k for (_, hr), ks in m.host_pairs().items() if hr == self.host for k, _ in ks} for key, m in program.moves_in.items()
+        }
         self._fns = {}
         for t in [*program.tasks.values(), *program.update]:
             exported = jax.export.deserialize(bytearray(t.exported))
@@ -150,27 +167,30 @@ class MeshWorker:
             (t.stage, t.phase, t.outvars): [jax.sharding.NamedSharding(self._meshes[t.stage], p) for p in t.in_specs]
             for t in [*program.tasks.values(), *program.update]
         }
-        self._program, self._peers = program, list(peers)
+        self._program = program
+        self._peers = {key: actor for key, (_, actor) in peers.items()}
+        self._worker_ids = {key: w for key, (w, _) in peers.items()}
         self._state = _resolve(state)
         self._placed = {}
         return {"load_seconds": time.perf_counter() - t0}
 
     # ----- messages from peers ------------------------------------------------------------
-    def receive(self, step: int, var: int, microbatch: int, value: Any, sender: int, sent_at: float, sent_step: int) -> None:
-        """A tensor another worker made (RECV): kept until this worker's walk of ``step`` reads it.
+    def receive(self, step: int, var: int, microbatch: int, parts: Any, sender: int, sent_at: float, sent_step: int) -> None:
+        """Regions of a tensor another mesh made (RECV), ``[(unit task, array), ...]``: kept until complete and read.
 
-        The event is filed under ``sent_step``, the step whose traffic it is (new state is
-        sent at the end of one step and read in the next).
+        A big message comes as ``[object ref]``, read here with ``ray.get``. The event is filed
+        under ``sent_step``, the step whose traffic it is (new state is sent at the end of one
+        step and read in the next).
         """
-        if isinstance(value, list):  # a big tensor: one object-store copy shared by every receiver
+        if parts and type(parts[0]).__name__ == "ObjectRef":
             import ray
 
-            value = ray.get(value[0])
+            parts = ray.get(parts[0])
         now = time.time()
         with self._cv:
-            self._inbox[(step, var, microbatch)] = value
-            nbytes = int(value.nbytes)
-            self._events.append(Event(self.worker, self.worker, -1, "recv", "", microbatch, sent_step, sent_at, now, nbytes, sender, var))
+            self._inbox.setdefault((step, var, microbatch), {}).update(parts)
+            nbytes = sum(int(a.nbytes) for _, a in parts)
+            self._events.append(Event(self.worker, self.mesh, -1, "recv", "", microbatch, sent_step, sent_at, now, nbytes, sender, var))
             self._cv.notify_all()
 
     def abort(self) -> None:
@@ -178,12 +198,41 @@ class MeshWorker:
             self._aborted = True
             self._cv.notify_all()
 
-    def _take(self, step: int, var: int, microbatch: int) -> Any:
-        with self._cv:
-            return self._inbox.pop((step, var, microbatch))
-
     def _has(self, step: int, var: int, microbatch: int) -> bool:
-        return (step, var, microbatch) in self._inbox
+        """Every region of this tensor that this host receives has arrived."""
+        with self._cv:
+            got = self._inbox.get((step, var, microbatch))
+            return got is not None and len(got) == len(self._expect[(var, move_kind(microbatch))])
+
+    def _take(self, step: int, var: int, microbatch: int) -> Any:
+        """The received tensor, its tiles assembled on this worker's devices in the destination sharding."""
+        import jax
+        from jax.sharding import NamedSharding
+
+        with self._cv:
+            parts = self._inbox.pop((step, var, microbatch))
+        move = self._program.moves_in[(var, move_kind(microbatch))]
+        tasks = move.resharding.tasks
+        shape = move.resharding.shape
+        sharding = NamedSharding(self._meshes[move.dst_stage], move.dst_spec)
+        dtype = next(iter(parts.values())).dtype
+        arrays = []
+        for dev, index in sharding.addressable_devices_indices_map(shape).items():
+            d = self._plan_id[dev]
+            lo = [sl.start or 0 for sl in index]
+            tile = np.empty([(sl.stop if sl.stop is not None else n) - a for sl, a, n in zip(index, lo, shape)], dtype)
+            filled = 0
+            for k in self._expect[(var, move_kind(microbatch))]:
+                if d in tasks[k].receivers:
+                    tile[tuple(slice(a - o, b - o) for (a, b), o in zip(tasks[k].region, lo))] = parts[k]
+                    filled += parts[k].size
+            if filled != tile.size:
+                raise RuntimeError(
+                    f"worker {self.worker}: the regions received for tensor {var} cover {filled} of the {tile.size} elements "
+                    f"device {d} holds under {move.dst_spec}; the move's unit tasks do not match the plan's shardings"
+                )
+            arrays.append(jax.device_put(tile, dev))
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def _wait(self) -> None:
         with self._cv:
@@ -261,21 +310,39 @@ class MeshWorker:
                 placed[key] = put(value(v, mb), sharding)
             return placed[key]
 
-        def send(v: int, mb: int, x: Any, to: tuple[int, ...], tag: int) -> None:
+        def send(v: int, mb: int, x: Any, tag: int) -> None:
+            """Cut the regions of ``x`` this host sends out of its devices' shards; one message per receiving host."""
             import ray
+            from jax.sharding import NamedSharding
 
-            t = time.time()
-            host = _to_host(x)
-            # small tensors travel inside the message (Ray inlines small arguments); a big one is put in the
-            # object store once and every receiving worker reads that one copy
-            # (wrapped in a list, so the receiver reads it with ray.get: 4x faster at 128 MiB than a top-level ref here)
-            ref = host if host.nbytes <= INLINE_BYTES else [ray.put(host)]
-            for peer in to:
-                call = self._peers[peer].receive.remote(step + (1 if tag == STATE else 0), v, tag, ref, self.worker, t, step)
-                if tag == STATE:  # waited for below: when the step returns, the next step's state is in place
-                    acks.append(call)
-                sent[peer] += int(host.nbytes)
-                self._events.append(Event(self.worker, self.worker, -1, "send", "", mb, step, t, time.time(), int(host.nbytes), peer, v))
+            for move in prog.moves_out.get((v, move_kind(tag)), ()):
+                t = time.time()
+                src = NamedSharding(self._meshes[move.src_stage], move.src_spec)
+                if not x.sharding.is_equivalent_to(src, x.ndim):  # the unit tasks cut the planned layout
+                    x = jax.device_put(x, src)
+                shards = {self._plan_id[sh.device]: sh for sh in x.addressable_shards}
+                local: dict[int, np.ndarray] = {}
+                for (hs, hr), regions in move.host_pairs().items():
+                    if hs != self.host:
+                        continue
+                    parts = []
+                    for k, d in regions:
+                        if d not in local:
+                            local[d] = np.asarray(shards[d].data)
+                        lo = [sl.start or 0 for sl in shards[d].index]
+                        box = tuple(slice(a - o, b - o) for (a, b), o in zip(move.resharding.tasks[k].region, lo))
+                        parts.append((k, np.array(local[d][box])))
+                    nbytes = sum(int(a.nbytes) for _, a in parts)
+                    # a small message travels inline (Ray inlines small arguments); a big one is put in the object
+                    # store once (wrapped in a list, the receiver reads it with ray.get: 4x faster at 128 MiB here)
+                    payload = parts if nbytes <= INLINE_BYTES else [ray.put(parts)]
+                    peer = self._peers[(move.dst_mesh, hr)]
+                    call = peer.receive.remote(step + (1 if tag == STATE else 0), v, tag, payload, self.worker, t, step)
+                    if tag == STATE:  # waited for below: when the step returns, the next step's state is in place
+                        acks.append(call)
+                    to = self._worker_ids[(move.dst_mesh, hr)]
+                    sent[to] += nbytes
+                    self._events.append(Event(self.worker, self.mesh, -1, "send", "", mb, step, t, time.time(), nbytes, to, v))
 
         def call(task: Any, mb: int) -> list[Any]:
             key = (task.stage, task.phase, task.outvars)
@@ -283,7 +350,7 @@ class MeshWorker:
             t = time.time()
             outs = self._fns[key](*ins)
             jax.block_until_ready(outs)
-            self._events.append(Event(self.worker, self.worker, task.stage, "run", task.phase, mb, step, t, time.time()))
+            self._events.append(Event(self.worker, self.mesh, task.stage, "run", task.phase, mb, step, t, time.time()))
             return list(outs)
 
         def ready(s: int, phase: str, mb: int) -> bool:
@@ -298,8 +365,7 @@ class MeshWorker:
                 if v in prog.accumulated:
                     inexact = np.issubdtype(np.dtype(prog.var_dtypes[v]), np.inexact)
                     sums[v] = x if v not in sums or not inexact else sums[v] + x
-                if v in prog.send_microbatch:
-                    send(v, mb, x, prog.send_microbatch[v], mb)
+                send(v, mb, x, mb)
                 if left[(v, mb)] == 0 and v not in prog.accumulated:
                     del store[(v, mb)]
             for v in task.invars:
@@ -326,24 +392,20 @@ class MeshWorker:
         for v, total in sums.items():
             inexact = np.issubdtype(np.dtype(prog.var_dtypes[v]), np.inexact)
             step_values[v] = total / M if inexact else total
-            if v in prog.send_step:
-                send(v, -1, step_values[v], prog.send_step[v], STEP)
+            send(v, -1, step_values[v], STEP)
         for task in prog.update:  # once per step, in the plan's global order; remote inputs waited for
             while not all(available(v, -1) for v in task.invars):
                 self._wait()
             outs = call(task, -1)
             for v, x in zip(task.outvars, outs):
                 step_values[v] = x
-                if v in prog.send_step:
-                    send(v, -1, x, prog.send_step[v], STEP)
-        for o, v, readers in prog.state_out:
+                send(v, -1, x, STEP)
+        for o, v, _ in prog.state_out:
             x = step_values[o]
             self._state[v] = x  # kept here too, so state() can read it from its maker
             for key in [k for k in placed if k[0] == v]:
                 del placed[key]
-            others = tuple(r for r in readers if r != self.worker)
-            if others:
-                send(v, STATE, x, others, STATE)
+            send(v, STATE, x, STATE)
         results = {i: _to_host(step_values[o]) for i, o in prog.results}
         if acks:
             import ray

@@ -9,9 +9,13 @@ a worker needs to run its part without the driver:
 - its unit tasks as ``jax.export`` serialisations (StableHLO with the plan's shardings;
   deserialised on the worker and called on its own devices: the driver never runs them);
 - its RUN lists (``schedule.runs`` of the stages on its mesh);
-- the SEND side of every cross-mesh tensor: which other workers read each tensor it makes,
-  per micro-batch or once per step (one copy per receiving worker, i.e. per receiving host:
-  the MLSys'23 broadcast, whose receiving host then holds every tile its devices need);
+- every cross-mesh tensor it sends or receives as a ``Move``: the plan's unit tasks
+  (``sharding.cross_mesh``, MLSys'23 broadcast: each region a receiving host needs crosses
+  to it once, from the sender device the load balancing chose), per micro-batch, once per
+  step, or as new state for the next step. The worker on a sender's host slices the region
+  from that device's shard; the worker on the receiving host assembles its devices' tiles;
+  so a mesh spanning hosts (a ``jax.distributed`` group, one worker per host) sends and
+  receives like any other;
 - which step results (the new state, the loss) it produces, and where the new state goes.
 
 A single-mesh plan is the degenerate case: no micro-batch tasks, one "apply" task that is the
@@ -29,12 +33,22 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-__all__ = ["MeshPlacement", "ProgramTask", "WorkerProgram", "worker_programs", "mesh_placements"]
+from alpa_lab.sharding.cross_mesh import CrossMeshResharding
+
+__all__ = ["MeshPlacement", "Move", "ProgramTask", "WorkerProgram", "worker_programs", "mesh_placements", "predicted_traffic"]
 
 STATE = -2
 """The micro-batch index under which a new state leaf travels to the workers that read it next step."""
 STEP = -1
 """The micro-batch index of once-per-step tensors (averaged gradients, update results)."""
+
+MICROBATCH, PER_STEP, NEXT_STEP = "microbatch", "step", "state"
+"""When a ``Move`` happens: every micro-batch, once per step, or at the end of a step (new state)."""
+
+
+def move_kind(tag: int) -> str:
+    """The kind of move a message's micro-batch tag stands for."""
+    return NEXT_STEP if tag == STATE else PER_STEP if tag == STEP else MICROBATCH
 
 
 class ProgramError(ValueError):
@@ -77,6 +91,44 @@ class ProgramTask:
 
 
 @dataclass(frozen=True)
+class Move:
+    """One tensor going from the mesh that makes it to a mesh that reads it, as the plan's unit tasks.
+
+    ``var`` is the tensor as messages name it (for new state, the state argument it
+    becomes). ``resharding`` is the same ``cross_mesh_resharding`` the planner and the
+    Traffic view price: each unit task's ``groups`` give, per receiving host, the sender
+    device whose shard the region is cut from.
+    """
+
+    var: int
+    kind: str
+    src_mesh: int
+    dst_mesh: int
+    src_stage: int
+    dst_stage: int
+    src_spec: PartitionSpec
+    dst_spec: PartitionSpec
+    resharding: CrossMeshResharding = field(repr=False)
+
+    def host_pairs(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+        """(sender host, receiving host) -> (unit task, sender device) of each region crossing between them.
+
+        One message per pair and move carries them all; a region reaches a receiving host once.
+        """
+        out: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        rs = self.resharding
+        for k, t in enumerate(rs.tasks):
+            for s, chain in t.groups:
+                out[(rs.host_of(s), rs.host_of(chain[0]))].append((k, s))
+        return {pair: tuple(ks) for pair, ks in out.items()}
+
+    def bytes_between_hosts(self) -> dict[tuple[int, int], int]:
+        """(sender host, receiving host) -> bytes of one move."""
+        tasks = self.resharding.tasks
+        return {pair: sum(tasks[k].nbytes for k, _ in ks) for pair, ks in self.host_pairs().items()}
+
+
+@dataclass(frozen=True)
 class WorkerProgram:
     """Everything one mesh worker needs to run its meshes' part of every step."""
 
@@ -95,16 +147,16 @@ class WorkerProgram:
     accumulated: frozenset[int]
     local_readers: dict[int, int]
     """per-micro-batch tensor -> how many of this worker's tasks read it (FREE after the last)"""
-    send_microbatch: dict[int, tuple[int, ...]]
-    """tensor made per micro-batch here -> the other workers that read it"""
-    send_step: dict[int, tuple[int, ...]]
-    """once-per-step tensor made here -> the other workers whose update reads it"""
     state_out: tuple[tuple[int, int, tuple[int, ...]], ...]
     """(result var, state argument var, workers that read that argument) for new state made here"""
     remote_state: frozenset[int]
     """state arguments read here whose new value another worker makes each step"""
     results: tuple[tuple[int, int], ...]
     """(flat result index, var) of the non-state results made here, returned to the driver"""
+    moves_out: dict[tuple[int, str], tuple[Move, ...]] = field(default_factory=dict)
+    """(tensor, kind) made here -> its move to each other mesh that reads it"""
+    moves_in: dict[tuple[int, str], Move] = field(default_factory=dict)
+    """(tensor, kind) made on another mesh and read here -> its move"""
 
     @property
     def num_tasks(self) -> int:
@@ -183,6 +235,7 @@ def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacemen
             "follow it; return the state leaf itself or a value computed from it"
         )
 
+    moves = _moves(compiled, placements) if pipelined else []
     programs = []
     for pl in placements:
         w = pl.mesh
@@ -208,6 +261,10 @@ def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacemen
                 state_out.append((o, v, readers))
             elif w in readers and o in producer and producer[o] != w:
                 remote_state.add(v)
+        moves_out: dict[tuple[int, str], list[Move]] = defaultdict(list)
+        for m in moves:
+            if m.src_mesh == w:
+                moves_out[(m.var, m.kind)].append(m)
         programs.append(
             WorkerProgram(
                 worker=w,
@@ -226,28 +283,57 @@ def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacemen
                 var_dtypes={v: graph.vars[v].dtype for v in touched},
                 accumulated=accumulated,
                 local_readers=dict(local_readers),
-                send_microbatch={v: tuple(sorted(r - {w})) for v, r in mb_readers.items() if producer.get(v) == w and r - {w}},
-                send_step={v: tuple(sorted(r - {w})) for v, r in step_readers.items() if producer.get(v) == w and r - {w}},
                 state_out=tuple(state_out),
                 remote_state=frozenset(remote_state),
                 results=tuple((i, o) for i, o in enumerate(results) if i >= num_state and producer.get(o) == w),
+                moves_out={k: tuple(ms) for k, ms in moves_out.items()},
+                moves_in={(m.var, m.kind): m for m in moves if m.dst_mesh == w},
             )
         )
-    for p in programs:  # a mesh spanning hosts runs as one SPMD group; its tensors do not cross meshes yet
-        if len(p.placement.hosts) > 1 and (p.send_microbatch or p.send_step or p.remote_state or _receives(p, programs)):
-            raise ProgramError(
-                f"mesh {p.placement.mesh} spans hosts {list(p.placement.hosts)} and exchanges tensors with another mesh; the Ray "
-                "runtime moves tensors between meshes that each lie within one host for now. Pin sub-meshes inside a host "
-                "(plan.pin_stages(ranges, submeshes=[(1, devices_per_host), ...])) or use one mesh for the whole step"
-            )
     return tuple(programs)
 
 
-def _receives(p: WorkerProgram, programs: Sequence[WorkerProgram]) -> bool:
-    w = p.worker
-    return any(w in to for q in programs for to in (*q.send_microbatch.values(), *q.send_step.values())) or any(
-        w in readers and q.worker != w for q in programs for _, _, readers in q.state_out
-    )
+def _moves(compiled: Any, placements: Sequence[MeshPlacement]) -> list[Move]:
+    """Every tensor a mesh sends another: the plan's own cross-mesh transfers (``passes.transfers``, what the
+    Traffic view shows), one per tensor, kind and reading mesh.
+
+    With interleaving, two stages on one mesh may read the same tensor: it moves once, in
+    the spec of the first of them, and the other reshards it on the mesh.
+    """
+    from alpa_lab.passes.transfers import STATE as STATE_PHASE
+    from alpa_lab.passes.transfers import stage_transfers
+    from alpa_lab.passes.stages import APPLY
+
+    mesh_of = {s: pl.mesh for pl in placements for s in pl.stages}
+    per_host = placements[0].devices_per_host or None
+    out: dict[tuple[int, str, int], Move] = {}
+    for t in stage_transfers(compiled.graph, compiled.slicing, compiled.stages, devices_per_host=per_host):
+        src, dst = mesh_of[t.src_stage], mesh_of[t.dst_stage]
+        kind = NEXT_STEP if t.phase == STATE_PHASE else PER_STEP if t.phase == APPLY else MICROBATCH
+        if src == dst or (t.var, kind, dst) in out:
+            continue
+        rs = t.resharding
+        out[(t.var, kind, dst)] = Move(
+            t.var, kind, src, dst, t.src_stage, t.dst_stage, rs.src_spec.to_partition_spec(), rs.dst_spec.to_partition_spec(), rs
+        )
+    return list(out.values())
+
+
+def predicted_traffic(programs: Sequence[WorkerProgram]) -> dict[tuple[tuple[int, int], tuple[int, int]], int]:
+    """Bytes per step from each mesh worker to each other, ``((mesh, host), (mesh, host))``, as the unit tasks say.
+
+    Every region crosses once into each receiving host that needs it (MLSys'23 broadcast),
+    every micro-batch or once per step; computed from the plan's moves, independently of
+    what the workers count.
+    """
+    out: dict[tuple[tuple[int, int], tuple[int, int]], int] = defaultdict(int)
+    for p in programs:
+        for moves in p.moves_out.values():
+            for m in moves:
+                times = p.num_microbatches if m.kind == MICROBATCH else 1
+                for (hs, hr), n in m.bytes_between_hosts().items():
+                    out[((m.src_mesh, hs), (m.dst_mesh, hr))] += n * times
+    return dict(out)
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,7 +13,6 @@ the last state the driver fetched stays available to launch again from.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 
 from alpa_lab.runtime.mesh_worker import Event, MeshWorker
-from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, worker_programs
+from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
 
 __all__ = ["LaunchError", "MeshWorkerError", "RayRun", "WorkerInfo", "launch"]
@@ -90,7 +89,6 @@ class RayRun:
     _events: list[Event] = field(default_factory=list, repr=False)
     _invars: tuple[int, ...] = ()
     _outvars: tuple[int, ...] = ()
-    _readers_of_arg: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self, *batch: Any) -> Any:
@@ -117,10 +115,10 @@ class RayRun:
         self.steps_done += 1
         sent = {}
         results: dict[int, Any] = dict(self.host_leaves)
-        for prog, rep in zip(self.programs, replies):
+        for info, rep in zip(self.workers, replies):
             results.update(rep["results"])
             for peer, n in rep["sent"].items():
-                sent[(prog.worker, peer)] = n
+                sent[(info.worker, peer)] = n
         self.traffic.append({"sent": sent, "seconds": max(r["seconds"] for r in replies)})
         if keep:
             self.last_state = self._assemble_state([r["state"] for r in replies])
@@ -210,13 +208,14 @@ class RayRun:
         self._check_open()
         k = step % len(self.traffic)
         per_worker = self._gather([a.received.remote(k) for a in self.actors], "reading the traffic")
-        received = {(s, p.worker): n for p, got in zip(self.programs, per_worker) for s, n in got.items()}
+        received = {(s, w.worker): n for w, got in zip(self.workers, per_worker) for s, n in got.items()}
         return {"sent": dict(self.traffic[k]["sent"]), "received": received}
 
     def predicted_bytes(self) -> dict[tuple[int, int], int]:
-        """Bytes per step (sender worker, receiver worker) the programs say will move."""
+        """Bytes per step (sender worker, receiver worker) the plan's unit tasks say will move."""
         per_mesh = {p.worker: p for p in self.programs}
-        return predicted_traffic(tuple(per_mesh.values()), self.plan_graph_vars, self.num_microbatches)
+        worker_of = {(w.mesh, w.hosts[0]): w.worker for w in self.workers}
+        return {(worker_of[a], worker_of[b]): n for (a, b), n in predicted_traffic(tuple(per_mesh.values())).items()}
 
     # ----- ending ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -246,34 +245,12 @@ class RayRun:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    plan_graph_vars: Any = field(default=None, repr=False)
     num_microbatches: int = 1
     _rest_tree: Any = field(default=None, repr=False)
 
 
 KEEP_EVERY_STEP_BYTES = 256 * 2**20
 """States up to this size are copied back to the driver after every step by default."""
-
-
-def predicted_traffic(programs: tuple[WorkerProgram, ...], graph_vars: Any, num_microbatches: int) -> dict[tuple[int, int], int]:
-    """Bytes per step each worker sends each other worker: every cross-worker tensor once per receiver.
-
-    Computed from the programs' send tables and the traced shapes, independently of what
-    the workers count.
-    """
-    out: dict[tuple[int, int], int] = defaultdict(int)
-    for p in programs:
-        for v, to in p.send_microbatch.items():
-            for r in to:
-                out[(p.worker, r)] += graph_vars[v].nbytes * num_microbatches
-        for v, to in p.send_step.items():
-            for r in to:
-                out[(p.worker, r)] += graph_vars[v].nbytes
-        for o, v, readers in p.state_out:
-            for r in readers:
-                if r != p.worker:
-                    out[(p.worker, r)] += graph_vars[o].nbytes
-    return dict(out)
 
 
 def launch(
@@ -361,7 +338,7 @@ def launch(
             opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}}
         else:
             opts["num_gpus"] = n
-        actors.append(actor_cls.options(**opts).remote(prog.worker, h, n, cluster.platform, rank))
+        actors.append(actor_cls.options(**opts).remote(k, h, n, cluster.platform, rank))
     try:
         joins = []
         for prog, pl in zip(programs, placements):
@@ -386,11 +363,10 @@ def launch(
 
     t3 = time.perf_counter()
     invars = tuple(graph.invars)
-    readers = {v: tuple(p.worker for p in programs if v in p.inputs) for v in invars}
     host_state = [np.asarray(x) for x in state_leaves]
     loads = []
     state_refs = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state)}
-    peers = [next(a for a, m in zip(actors, members) if m[0] is p) for p in programs]  # a mesh's sender: its rank 0
+    peers = {(pl.mesh, h): (k, a) for k, ((_, pl, _, h), a) in enumerate(zip(members, actors))}
     for (p, _, _, _), a in zip(members, actors):
         mine = {v: ref for v, ref in state_refs.items() if v in p.inputs or any(v == sv for _, sv, _ in p.state_out)}
         loads.append(a.load.remote(p, peers, mine))
@@ -440,8 +416,6 @@ def launch(
         _event_cursor=[0] * len(actors),
         _invars=invars,
         _outvars=tuple(graph.outvars),
-        _readers_of_arg=readers,
-        plan_graph_vars=graph.vars,
         num_microbatches=getattr(compiled, "num_microbatches", 1),
         _rest_tree=rest_tree,
     )
