@@ -85,8 +85,8 @@ def bench_transport(sizes_mib=(1, 16, 128), repeats: int = 5) -> None:
             if plain:  # baseline: put the array, the other actor ray.get()s it by reference
                 ray.get(other.get.remote([ray.put(x)]))
             else:  # the mesh workers' path: MeshWorker.receive itself, as a send calls it
-                parts = [(0, x)]  # one region, the whole tensor
-                ray.get(other.receive.remote(0, 0, 0, parts if x.nbytes <= INLINE_BYTES else [ray.put(parts)], 1, 0.0, 0))
+                parts = [(0, x if x.nbytes <= INLINE_BYTES else ray.put(x))]  # one region, the whole tensor, as a send makes it
+                ray.get(other.receive.remote(0, 0, 0, parts, 1, 0.0, 0))
             return time.perf_counter() - t0
 
         def get(self, refs) -> int:
