@@ -218,6 +218,16 @@ class MeshWorker:
         shape = move.resharding.shape
         sharding = NamedSharding(self._meshes[move.dst_stage], move.dst_spec)
         dtype = next(iter(parts.values())).dtype
+        if sharding.is_fully_addressable:  # the mesh lies in this host: its regions make the whole tensor, placed in one call
+            whole = np.empty(shape, dtype)
+            for k, a in parts.items():
+                whole[tasks[k].slices] = a
+            if sum(a.size for a in parts.values()) != whole.size:
+                raise RuntimeError(
+                    f"worker {self.worker}: the regions received for tensor {var} cover {sum(a.size for a in parts.values())} "
+                    f"of its {whole.size} elements; the move's unit tasks do not match the plan's shardings"
+                )
+            return jax.device_put(whole, sharding)
         arrays = []
         for dev, index in sharding.addressable_devices_indices_map(shape).items():
             d = self._plan_id[dev]
@@ -456,14 +466,13 @@ class MeshWorker:
 
 
 def _resolve(refs: dict[int, Any]) -> dict[int, Any]:
-    """Values of a dict of Ray object refs (Ray resolves only top-level arguments by itself)."""
-    if not any(type(r).__name__ == "ObjectRef" for r in refs.values()):
-        return dict(refs)  # values already (a worker driven without Ray, as in a direct check)
+    """Values of a dict of Ray object refs and values (Ray resolves only top-level arguments by itself)."""
+    keys = [k for k, r in refs.items() if type(r).__name__ == "ObjectRef"]
+    if not keys:
+        return dict(refs)  # values already (small leaves inline, or a worker driven without Ray)
     import ray
 
-    keys = list(refs)
-    values = ray.get([refs[k] for k in keys])
-    return dict(zip(keys, values))
+    return {**refs, **dict(zip(keys, ray.get([refs[k] for k in keys])))}
 
 
 def _to_host(x: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpa_lab.runtime.mesh_worker import Event, MeshWorker
+from alpa_lab.runtime.mesh_worker import INLINE_BYTES, Event, MeshWorker
 from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
 
@@ -105,7 +105,8 @@ class RayRun:
                     f"argument leaf {i} after the state has shape {tuple(np.shape(x))}; the plan was made for {tuple(a.shape)}"
                 )
         batch_vars = self._invars[self.num_state :]
-        refs = {v: ray.put(np.asarray(x)) for v, x in zip(batch_vars, leaves)}
+        # a small leaf rides inline in each worker's message; a big one is one object-store copy for all readers
+        refs = {v: (a if a.nbytes <= INLINE_BYTES else ray.put(a)) for v, a in ((v, np.asarray(x)) for v, x in zip(batch_vars, leaves))}
         keep = bool(self.keep_state_every) and (self.steps_done + 1) % self.keep_state_every == 0
         calls = []
         for prog, actor in zip(self.programs, self.actors):
