@@ -1,11 +1,14 @@
 """Test set-up: 8 simulated CPU devices, set before JAX is first imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# calibrations are kept per run: a user's saved calibration must not change what the tests plan
+os.environ["ALPA_LAB_CACHE"] = tempfile.mkdtemp(prefix="alpa_lab_cache_")
 
 import jax  # noqa: E402
 

@@ -48,6 +48,8 @@ class ClusterSpec:
     host_to_device_bandwidth: float = 12 * GB
     name: str = "custom"
     simulated: bool = False
+    op_overhead: float = 0.0
+    """seconds one operator costs beyond its FLOPs and bytes (0 for the presets; measured by ``calibrate``)"""
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -72,16 +74,54 @@ class ClusterSpec:
 
     # ----- constructors ----------------------------------------------------------------
     @classmethod
-    def local(cls, hosts: int = 1, devices_per_host: int = 4) -> ClusterSpec:
+    def local(cls, hosts: int = 1, devices_per_host: int = 4, *, calibrated: bool | None = None) -> ClusterSpec:
         """Simulated CPU devices in this process (``--xla_force_host_platform_device_count``).
 
-        Costs model a small GPU box (so plans look like plans for real hardware) while the
-        program runs on CPU devices for checking numerics and collectives.
+        Without a calibration, costs model a small GPU box (so plans look like plans for real
+        hardware) while the program runs on CPU devices for checking numerics and collectives.
+        With one (``ClusterSpec.calibrate(hosts, devices_per_host)`` saved it for this device
+        count), the measured numbers are used, so predicted seconds are local seconds.
+        ``calibrated``: None uses a saved calibration when there is one; True requires it;
+        False ignores it.
         """
-        base = PRESETS["p3.8xlarge"]
-        return replace(
-            base, hosts=hosts, devices_per_host=devices_per_host, name=f"local:{hosts}x{devices_per_host}", simulated=True
+        base = replace(
+            PRESETS["p3.8xlarge"], hosts=hosts, devices_per_host=devices_per_host, name=f"local:{hosts}x{devices_per_host}", simulated=True
         )
+        if calibrated is False:
+            return base
+        from alpa_lab.cost.calibrate import calibration_path, load_calibration
+
+        path = calibration_path("cpu", hosts * devices_per_host)
+        if not path.exists():
+            if calibrated:
+                raise ClusterError(
+                    f"no calibration for {hosts * devices_per_host} CPU devices at {path}; run "
+                    f"ClusterSpec.calibrate(hosts={hosts}, devices_per_host={devices_per_host}) first"
+                )
+            return base
+        return load_calibration(path).apply(base)
+
+    @classmethod
+    def calibrate(cls, hosts: int = 1, devices_per_host: int | None = None, *, save: bool = True, repeats: int = 7) -> ClusterSpec:
+        """Measure this process's devices (compute rate, memory bandwidth, per-op cost, all-reduce alpha and
+        beta) and return a local cluster that plans with the measurements; saved for ``local()`` to reuse.
+
+        The first ``hosts * devices_per_host`` devices are measured, all at once (simulated CPU
+        devices share the machine's cores, and are measured sharing them).
+        """
+        import jax
+
+        from alpa_lab.cost.calibrate import calibrate, calibration_path
+
+        have = jax.devices()
+        devices_per_host = devices_per_host or len(have) // hosts
+        n = hosts * devices_per_host
+        if n < 1 or n > len(have):
+            raise ClusterError(f"cannot calibrate {hosts}x{devices_per_host} devices: JAX sees {len(have)} here")
+        result = calibrate(have[:n], repeats=repeats)
+        if save:
+            result.save(calibration_path(result.platform, n))
+        return result.apply(cls.local(hosts, devices_per_host, calibrated=False))
 
     @classmethod
     def preset(cls, name: str, hosts: int = 1) -> ClusterSpec:
@@ -134,6 +174,7 @@ class ClusterSpec:
             memory_bandwidth=self.memory_bandwidth,
             device_memory=self.device_memory,
             host_to_device_bandwidth=self.host_to_device_bandwidth,
+            op_overhead=self.op_overhead,
         )
 
 
@@ -172,6 +213,7 @@ class LogicalMesh:
     device_memory: float = 16 * GB
     host_to_device_bandwidth: float = 12 * GB
     axis_names: tuple[str, str] = field(default=("x", "y"))
+    op_overhead: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -204,8 +246,9 @@ class LogicalMesh:
         return Collective(kind, axes, float(nbytes), self.collective_cost(kind, nbytes, axes))
 
     def compute_cost(self, flops: float, nbytes: float, parallelism: int) -> float:
-        """Roofline time of work split ``parallelism`` ways: max(FLOP time, memory time)."""
-        return max(flops / self.device_flops, nbytes / self.memory_bandwidth) / max(parallelism, 1)
+        """Roofline time of work split ``parallelism`` ways, max(FLOP time, memory time), plus the per-op overhead."""
+        work = max(flops / self.device_flops, nbytes / self.memory_bandwidth) / max(parallelism, 1)
+        return work + (self.op_overhead if flops or nbytes else 0.0)
 
     def to_dict(self) -> dict:
         return {

@@ -1,0 +1,194 @@
+"""Measure the devices this process can reach, so the cost model predicts what they really do.
+
+The presets describe real machines (V100 boxes and the like); simulated CPU devices are
+orders of magnitude slower and share the host's cores, so a plan's predicted seconds say
+nothing about a local run. ``calibrate`` runs small microbenchmarks on the devices, *all of
+them at once* (so devices that share cores are measured sharing them), and returns the
+``ClusterSpec`` fields it measured:
+
+- ``device_flops``: a batched matmul, one block per device;
+- ``memory_bandwidth``: an elementwise pass over a large array per device;
+- ``op_overhead``: what one traced operator costs beyond its FLOPs and bytes (dispatch,
+  loop set-up, a fusion's launch), fitted on a reference program, a small MLP's training
+  step, whose ops are counted as the planner counts them (``graph.trace``);
+- ``intra_host_bandwidth`` and ``intra_host_latency``: an all-reduce over the devices at
+  two sizes, solved for the ring formula's alpha and beta (``cost.cluster``).
+
+On one process all devices share one host, so the inter-host link is measured as the same
+as the intra-host one; a Ray cluster's host-to-host transfer is not measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from alpa_lab.cost.cluster import ClusterError, ClusterSpec
+
+__all__ = ["Calibration", "calibrate", "calibration_path", "load_calibration"]
+
+FORMAT = "alpa_lab.calibration/1"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What was measured, on which devices, and the seconds it took."""
+
+    platform: str
+    num_devices: int
+    device_flops: float
+    memory_bandwidth: float
+    op_overhead: float
+    intra_host_bandwidth: float
+    intra_host_latency: float
+    seconds: float = 0.0
+
+    def apply(self, spec: ClusterSpec) -> ClusterSpec:
+        """``spec`` with the measured numbers in place of its own (hosts and memory stay)."""
+        return replace(
+            spec,
+            device_flops=self.device_flops,
+            memory_bandwidth=self.memory_bandwidth,
+            op_overhead=self.op_overhead,
+            intra_host_bandwidth=self.intra_host_bandwidth,
+            intra_host_latency=self.intra_host_latency,
+            inter_host_bandwidth=self.intra_host_bandwidth,
+            inter_host_latency=self.intra_host_latency,
+            name=f"{spec.name} (calibrated)" if "calibrated" not in spec.name else spec.name,
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"format": FORMAT, **self.__dict__}, indent=1))
+
+
+def calibration_path(platform: str, num_devices: int) -> Path:
+    """Where the calibration of this platform and device count is kept (``$ALPA_LAB_CACHE`` or ~/.cache/alpa_lab)."""
+    root = Path(os.environ.get("ALPA_LAB_CACHE") or Path.home() / ".cache" / "alpa_lab")
+    return root / f"calibration-{platform}-{num_devices}.json"
+
+
+def load_calibration(path: str | os.PathLike) -> Calibration:
+    """A saved calibration; a file that is not one says so."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot read the calibration file {str(path)!r}: {e}") from e
+    if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
+        raise ClusterError(f"{str(path)!r} is not an alpa_lab calibration file ({FORMAT}); run ClusterSpec.calibrate() again")
+    try:
+        return Calibration(**data)
+    except TypeError as e:
+        raise ClusterError(f"the calibration file {str(path)!r} has other fields than expected ({e}); calibrate again") from e
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
+    """Microbenchmarks on ``devices`` (default: every device JAX sees here), all of them at once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    t_start = time.perf_counter()
+    devices = list(jax.devices()) if devices is None else list(devices)
+    n = len(devices)
+    mesh = Mesh(np.array(devices, dtype=object).reshape(1, n), ("x", "y"))
+    per_device = NamedSharding(mesh, PartitionSpec("y"))
+
+    def spread(shape: tuple[int, ...]) -> Any:
+        return jax.device_put(np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32), per_device)
+
+    # FLOP rate: one m x m matmul per device, concurrently
+    m = 384
+    a, b = spread((m, m)), spread((m, m))
+    matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b), out_shardings=per_device)
+    flops = 2 * m**3 / _median_seconds(lambda: matmul(a, b), repeats)
+
+    # memory bandwidth: read and write 16 MiB per device
+    x = spread((4 * 2**20,))
+    axpy = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=per_device)
+    bandwidth = 2 * x.nbytes / n / _median_seconds(lambda: axpy(x), repeats)
+
+    # collectives: an all-reduce over the devices at two sizes, solved for alpha and beta of the ring formula
+    def allreduce_seconds(elems: int) -> float:
+        """The all-reduce's own seconds: the program's, less the same program without the collective
+        (the call's dispatch and an elementwise pass over the same bytes)."""
+        y = spread((elems,))
+        fn = jax.jit(lambda y: jnp.broadcast_to(y.sum(axis=0, keepdims=True), y.shape) + 1.0, out_shardings=per_device)
+        local = jax.jit(lambda y: y + 1.0, out_shardings=per_device)
+        return max(_median_seconds(lambda: fn(y), repeats) - _median_seconds(lambda: local(y), repeats), 1e-7)
+
+    small, large = 256, 2**20
+    if n > 1:
+        t_small, t_large = allreduce_seconds(small), allreduce_seconds(large)
+        ring = 2 * (n - 1) / n * 4  # bytes on the wire per element of the reduced tensor
+        beta = max((t_large - t_small) / (ring * (large - small)), 1e-15)
+        alpha = max(t_small - beta * ring * small, 1e-7)
+        intra_bw, intra_lat = 1.0 / beta, alpha
+    else:
+        intra_bw, intra_lat = bandwidth, 1e-6
+
+    # per-op cost: a reference program (a small MLP's training step, data parallel over the devices), minus its
+    # FLOP and byte time at the rates just measured, over its op count as the planner traces it
+    op_overhead = _op_overhead(devices, per_device, flops, bandwidth, repeats)
+
+    return Calibration(
+        platform=devices[0].platform,
+        num_devices=n,
+        device_flops=float(flops),
+        memory_bandwidth=float(bandwidth),
+        op_overhead=float(op_overhead),
+        intra_host_bandwidth=float(intra_bw),
+        intra_host_latency=float(intra_lat),
+        seconds=time.perf_counter() - t_start,
+    )
+
+
+def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float, repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from alpa_lab.graph.trace import trace
+
+    n = len(devices)
+    rng = np.random.default_rng(1)
+    width, batch, depth = 64, 16, 8
+    params = [
+        (rng.standard_normal((width, width), dtype=np.float32) * 0.1, np.zeros(width, np.float32)) for _ in range(depth)
+    ]
+
+    def loss(params: Any, x: Any) -> Any:
+        for w, b in params:
+            x = jnp.tanh(x @ w + b)
+        return jnp.mean(x**2)
+
+    def train_step(params: Any, x: Any) -> Any:
+        grads = jax.grad(loss)(params, x)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+    # one independent copy per device, run at once (as the devices of a mesh run their parts)
+    stacked = jax.tree_util.tree_map(lambda p: jax.device_put(np.stack([p] * n), per_device), params)
+    xs = jax.device_put(rng.standard_normal((n, batch, width), dtype=np.float32), per_device)
+    step = jax.jit(jax.vmap(train_step), out_shardings=per_device)
+    seconds = _median_seconds(lambda: step(stacked, xs), repeats)
+    graph = trace(train_step, params, xs[0])
+    work = sum(max(op.flops / flops, op.bytes_accessed / bandwidth) for op in graph.ops)
+    return max(seconds - work, 0.0) / max(len(graph.ops), 1)
