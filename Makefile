@@ -22,7 +22,7 @@ LAB_ARGS ?=
 # JupyterLab refuses to run as root unless told to
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True)
 
-.PHONY: demo test test-slow bench lab labextension clean
+.PHONY: demo test test-slow bench lab labextension wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ $(LABEXT_STAMP): $(LABEXT_OUT)
 
 labextension: $(LABEXT_STAMP)  ## build the JupyterLab extension and install it into the venv's Jupyter
 
+# The wheel carries the prebuilt extension (pyproject.toml's data-files, checked by setup.py):
+# installing it needs no node.
+wheel: $(STAMP) $(LABEXT_OUT)  ## build the extension, then a wheel carrying it into dist/
+	$(BIN)/python -m pip wheel --no-deps -w dist .
+
 demo: $(STAMP)  ## plan and run the example models on a local simulated cluster, headless
 	$(BIN)/alpa-lab demo
 
@@ -58,4 +63,4 @@ lab: $(STAMP) $(LABEXT_STAMP)  ## JupyterLab on notebooks/ at 127.0.0.1, with th
 	$(LAB_ENV) $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=notebooks $(LAB_ROOT) $(LAB_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache alpa_lab/labextension $(LABEXT)/lib $(LABEXT)/tsconfig.tsbuildinfo
+	rm -rf $(VENV) .pytest_cache build dist alpa_lab/labextension $(LABEXT)/lib $(LABEXT)/tsconfig.tsbuildinfo
