@@ -7,7 +7,7 @@ them at once* (so devices that share cores are measured sharing them), and retur
 ``ClusterSpec`` fields it measured:
 
 - ``device_flops``: a batched matmul, one block per device;
-- ``memory_bandwidth``: an elementwise pass over a large array per device;
+- ``memory_bandwidth``: elementwise passes over a layer-sized array (in cache) per device;
 - ``op_overhead``: what one traced operator costs beyond its FLOPs and bytes (dispatch,
   loop set-up, a fusion's launch), fitted on a reference program, a small MLP's training
   step, whose ops are counted as the planner counts them (``graph.trace``);
@@ -122,21 +122,28 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b), out_shardings=per_device)
     flops = 2 * m**3 / _median_seconds(lambda: matmul(a, b), repeats)
 
-    # memory bandwidth: read and write 16 MiB per device
-    x = spread((4 * 2**20,))
-    axpy = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=per_device)
-    bandwidth = 2 * x.nbytes / n / _median_seconds(lambda: axpy(x), repeats)
+    # memory bandwidth at the sizes a layer's tensors have (64 KiB per device, in cache): a loop of
+    # elementwise passes inside one program, so the call's dispatch is spread over many passes
+    passes, elems = 500, 16 * 1024
+    x = spread((elems,))
+    axpy = jax.jit(lambda x: jax.lax.fori_loop(0, passes, lambda _, y: y * 0.999 + 0.001, x), out_shardings=per_device)
+    bandwidth = 2 * 4 * elems * passes / _median_seconds(lambda: axpy(x), repeats)
 
     # collectives: an all-reduce over the devices at two sizes, solved for alpha and beta of the ring formula
-    def allreduce_seconds(elems: int) -> float:
-        """The all-reduce's own seconds: the program's, less the same program without the collective
-        (the call's dispatch and an elementwise pass over the same bytes)."""
+    def allreduce_seconds(elems: int, rounds: int = 40) -> float:
+        """Seconds of one all-reduce inside a program: a loop of ``rounds`` all-reduces (each round sums the
+        devices' rows and hands every device the sum), less the same loop without the collective."""
         y = spread((elems,))
-        fn = jax.jit(lambda y: jnp.broadcast_to(y.sum(axis=0, keepdims=True), y.shape) + 1.0, out_shardings=per_device)
-        local = jax.jit(lambda y: y + 1.0, out_shardings=per_device)
-        return max(_median_seconds(lambda: fn(y), repeats) - _median_seconds(lambda: local(y), repeats), 1e-7)
 
-    small, large = 256, 2**20
+        def loop(body: Callable[[Any], Any]) -> Any:
+            return jax.jit(lambda y: jax.lax.fori_loop(0, rounds, lambda _, z: body(z), y), out_shardings=per_device)
+
+        reduce = loop(lambda z: jax.lax.with_sharding_constraint(
+            jnp.broadcast_to(z.sum(axis=0, keepdims=True) * (1.0 / n), z.shape), per_device))
+        local = loop(lambda z: z * (1.0 / n))
+        return max(_median_seconds(lambda: reduce(y), repeats) - _median_seconds(lambda: local(y), repeats), 1e-7 * rounds) / rounds
+
+    small, large = 256, 2**18
     if n > 1:
         t_small, t_large = allreduce_seconds(small), allreduce_seconds(large)
         ring = 2 * (n - 1) / n * 4  # bytes on the wire per element of the reduced tensor
