@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import statistics
 
 import pytest
@@ -21,8 +22,17 @@ from alpa_lab.models import tiny_example
 
 
 @pytest.fixture(scope="module")
-def calibrated():
-    return al.ClusterSpec.calibrate(2, 4)
+def calibrated(tmp_path_factory):
+    """A calibration of the 8 devices, saved in a cache of this module's own: later tests plan with the preset."""
+    before = os.environ.get("ALPA_LAB_CACHE")
+    os.environ["ALPA_LAB_CACHE"] = str(tmp_path_factory.mktemp("calibration"))
+    try:
+        yield al.ClusterSpec.calibrate(2, 4)
+    finally:
+        if before is None:
+            del os.environ["ALPA_LAB_CACHE"]
+        else:
+            os.environ["ALPA_LAB_CACHE"] = before
 
 
 def test_calibration_measures_and_is_reused(calibrated):

@@ -50,10 +50,10 @@ def test_two_meshes_each_spanning_two_hosts_train_like_the_reference(name, clust
             state, ref_loss = step(state, ex.batch)
             assert_close(loss, ref_loss, f"{name} step {k} loss against the in-process runtime")
             assert_close(loss, references[name][k][1], f"{name} step {k} loss against the reference")
-        assert_close(run.state(), state, f"{name} state against the in-process runtime")
-        # against the one-device reference: the 2x2 meshes split contractions four ways, so float32 sums run in another
-        # order, and Adam's normalisation turns gradient differences of 1e-7 into 2e-5 in a weight; the in-process runtime
-        # on this plan differs from the reference just as much (1.3e-5 over rtol 1e-4 on one GPT weight)
+        # the state at atol 5e-5: one GPT weight (Block_1 MLP kernel [187, 20]) has a gradient near Adam's eps, so float32
+        # sums in another order (gloo's all-reduce across the two processes, the in-process runtime's, the one-device
+        # reference's) move its update by up to 2e-5; the in-process runtime on this plan differs from the reference as much
+        assert_close(run.state(), state, f"{name} state against the in-process runtime", atol=5e-5)
         assert_close(run.state(), references[name][STEPS - 1][0], f"{name} state against the reference", atol=5e-5)
         assert_traffic_as_predicted(run)
         # every worker of a receiving mesh got its own part: traffic goes to both hosts of each mesh
