@@ -42,7 +42,7 @@ def test_calibration_measures_and_is_reused(calibrated):
     preset = al.ClusterSpec.local(2, 4, calibrated=False)
     assert spec.device_flops < preset.device_flops / 10  # simulated CPU devices are far slower than a V100
     saved = load_calibration(calibration_path("cpu", 8))
-    assert saved.num_devices == 8 and saved.device_flops == spec.device_flops
+    assert saved.num_devices == 4 and saved.device_flops == spec.device_flops  # one host measured, saved for 2x4
     # a local cluster of the same size plans with the saved numbers; another size has none and says so
     again = al.ClusterSpec.local(2, 4)
     assert (again.device_flops, again.op_overhead, again.inter_host_bandwidth) == (
@@ -90,9 +90,10 @@ def stage_ratios(cluster, name: str) -> list[float]:
 
 
 def test_calibrated_stage_times_are_of_the_measured_order(calibrated):
-    """The preset predicts stages 20-1000x faster than they run here; calibrated, the median error is within 4x.
+    """The preset predicts stages 30-1000x faster than they run here; calibrated, the median error is within 2x.
 
-    (The issue's target is 25% per stage; measured on this machine the calibrated ratios are 0.2-3.3, see the note.)
+    (The issue's target is 25% per stage; measured on this machine, calibrated MLP stages are within 15% and GPT's
+    within 0.58-0.89, see ``benchmarks/calibration.py``.)
     """
     preset = al.ClusterSpec.local(2, 4, calibrated=False)
     errors = {"calibrated": [], "preset": []}
@@ -100,4 +101,4 @@ def test_calibrated_stage_times_are_of_the_measured_order(calibrated):
         errors["calibrated"] += [abs(math.log(r)) for r in stage_ratios(calibrated, name)]
         errors["preset"] += [abs(math.log(r)) for r in stage_ratios(preset, name)]
     assert statistics.median(errors["preset"]) > math.log(10), errors
-    assert statistics.median(errors["calibrated"]) < math.log(4), errors
+    assert statistics.median(errors["calibrated"]) < math.log(2), errors

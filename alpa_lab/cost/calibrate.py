@@ -11,6 +11,8 @@ them at once* (so devices that share cores are measured sharing them), and retur
 - ``op_overhead``: what one traced operator costs beyond its FLOPs and bytes (dispatch,
   loop set-up, a fusion's launch), fitted on a reference program, a small MLP's training
   step, whose ops are counted as the planner counts them (``graph.trace``);
+- ``task_overhead``: launching a tiny program on the devices and waiting for it, the fixed
+  cost of each unit task a stage runs;
 - ``intra_host_bandwidth`` and ``intra_host_latency``: an all-reduce over the devices at
   two sizes, solved for the ring formula's alpha and beta (``cost.cluster``).
 
@@ -46,6 +48,7 @@ class Calibration:
     device_flops: float
     memory_bandwidth: float
     op_overhead: float
+    task_overhead: float
     intra_host_bandwidth: float
     intra_host_latency: float
     seconds: float = 0.0
@@ -57,6 +60,7 @@ class Calibration:
             device_flops=self.device_flops,
             memory_bandwidth=self.memory_bandwidth,
             op_overhead=self.op_overhead,
+            task_overhead=self.task_overhead,
             intra_host_bandwidth=self.intra_host_bandwidth,
             intra_host_latency=self.intra_host_latency,
             inter_host_bandwidth=self.intra_host_bandwidth,
@@ -153,9 +157,14 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     else:
         intra_bw, intra_lat = bandwidth, 1e-6
 
+    # per-program cost: launching a tiny program on the devices and waiting for it (a unit task's fixed cost)
+    tiny = spread((8,))
+    bump = jax.jit(lambda y: y + 1.0, out_shardings=per_device)
+    task_overhead = _median_seconds(lambda: bump(tiny), 3 * repeats)
+
     # per-op cost: a reference program (a small MLP's training step, data parallel over the devices), minus its
     # FLOP and byte time at the rates just measured, over its op count as the planner traces it
-    op_overhead = _op_overhead(devices, per_device, flops, bandwidth, repeats)
+    op_overhead = _op_overhead(devices, per_device, flops, bandwidth, task_overhead, repeats)
 
     return Calibration(
         platform=devices[0].platform,
@@ -163,13 +172,14 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
         device_flops=float(flops),
         memory_bandwidth=float(bandwidth),
         op_overhead=float(op_overhead),
+        task_overhead=float(task_overhead),
         intra_host_bandwidth=float(intra_bw),
         intra_host_latency=float(intra_lat),
         seconds=time.perf_counter() - t_start,
     )
 
 
-def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float, repeats: int) -> float:
+def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float, task_overhead: float, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
 
@@ -195,7 +205,7 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
     stacked = jax.tree_util.tree_map(lambda p: jax.device_put(np.stack([p] * n), per_device), params)
     xs = jax.device_put(rng.standard_normal((n, batch, width), dtype=np.float32), per_device)
     step = jax.jit(jax.vmap(train_step), out_shardings=per_device)
-    seconds = _median_seconds(lambda: step(stacked, xs), repeats)
+    seconds = _median_seconds(lambda: step(stacked, xs), repeats) - task_overhead
     graph = trace(train_step, params, xs[0])
     work = sum(max(op.flops / flops, op.bytes_accessed / bandwidth) for op in graph.ops)
     return max(seconds - work, 0.0) / max(len(graph.ops), 1)

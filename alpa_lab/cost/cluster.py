@@ -50,6 +50,8 @@ class ClusterSpec:
     simulated: bool = False
     op_overhead: float = 0.0
     """seconds one operator costs beyond its FLOPs and bytes (0 for the presets; measured by ``calibrate``)"""
+    task_overhead: float = 0.0
+    """seconds to launch one compiled program (a stage's unit task) and see it finish, beyond its ops"""
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -106,8 +108,10 @@ class ClusterSpec:
         """Measure this process's devices (compute rate, memory bandwidth, per-op cost, all-reduce alpha and
         beta) and return a local cluster that plans with the measurements; saved for ``local()`` to reuse.
 
-        The first ``hosts * devices_per_host`` devices are measured, all at once (simulated CPU
-        devices share the machine's cores, and are measured sharing them).
+        One host's devices (the first ``devices_per_host``) are measured, all at once: a stage's
+        sub-mesh lies within a host in most plans, and simulated CPU devices share the machine's
+        cores, so they are measured sharing them as a host's mesh does. The calibration is saved
+        for ``hosts * devices_per_host`` devices (what ``local(hosts, devices_per_host)`` looks up).
         """
         import jax
 
@@ -118,7 +122,7 @@ class ClusterSpec:
         n = hosts * devices_per_host
         if n < 1 or n > len(have):
             raise ClusterError(f"cannot calibrate {hosts}x{devices_per_host} devices: JAX sees {len(have)} here")
-        result = calibrate(have[:n], repeats=repeats)
+        result = calibrate(have[:devices_per_host], repeats=repeats)
         if save:
             result.save(calibration_path(result.platform, n))
         return result.apply(cls.local(hosts, devices_per_host, calibrated=False))

@@ -240,8 +240,19 @@ def _stage_figures(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]
         by_phase[phase.get(o.name, FORWARD)] += o.compute_cost + o.communication_cost
         if o.name in saved:
             activations += o.memory_cost
+    # the rest of the objective is the reshardings between ops: each is charged to the phase of the op that reads it
     rest = plan.objective - sum(by_phase.values())
-    return by_phase[FORWARD] + rest, by_phase[BACKWARD], by_phase[APPLY], weights, activations
+    for r in plan.reshardings:
+        p = phase.get(r.consumer, FORWARD)
+        if p != FORWARD:
+            by_phase[p] += r.cost
+            rest -= r.cost
+    # each phase runs as one program (a unit task) per micro-batch, the update once per step: one launch each
+    launch = problem.cluster.task_overhead
+    forward = by_phase[FORWARD] + rest + launch
+    backward = by_phase[BACKWARD] + (launch if by_phase[BACKWARD] else 0.0)
+    update = by_phase[APPLY] + (launch if by_phase[APPLY] else 0.0)
+    return forward, backward, update, weights, activations
 
 
 def plan_stages(
