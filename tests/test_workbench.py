@@ -249,6 +249,16 @@ def test_run_streams_measured_times_and_failures_keep_state(gpt):
     assert all(b.end >= b.start >= 0 for b in wb.measured)
     assert "measured against predicted" in wb.measured_html.value
     assert any(b.source == "measured" for b in wb.timeline_bars())
+    # per stage and phase: the medians of the measured bars against the stage figures the planner predicted
+    costs = {(c.stage, c.kind, c.phase): c for c in views.stage_costs(views.timeline_bars(plan), wb.measured)}
+    for st in plan.stages:
+        for phase, predicted in (("forward", st.forward_time), ("backward", st.backward_time)):
+            c = costs[(st.index, "RUN", phase)]
+            spans = [b.end - b.start for b in wb.measured if (b.stage, b.kind, b.phase) == (st.index, "RUN", phase)]
+            assert c.count == len(spans) == plan.num_microbatches
+            assert c.measured == pytest.approx(float(np.median(spans)), rel=1e-12)
+            assert c.predicted == pytest.approx(predicted, rel=1e-9) and c.ratio == pytest.approx(c.measured / predicted)
+            assert f"stage {st.index} {phase}" in wb.measured_html.value
     # a failing run (a batch the micro-batches do not divide) keeps the plan and the last result
     bad = jax.tree_util.tree_map(lambda x: x[:3], ex.batch)
     wb.run(state, bad, steps=1, block=True)

@@ -289,6 +289,50 @@ def measured_bars(records: Sequence[tuple[int, str, int, float, float]]) -> tupl
     return tuple(bars)
 
 
+@dataclass(frozen=True)
+class StageCost:
+    """One kind of span of a mesh or stage, predicted against measured: medians of the bars' durations."""
+
+    stage: int
+    """the stage (for transfers: the receiving mesh)"""
+    kind: str
+    """"RUN", "TRANSFER" or "UPDATE" """
+    phase: str
+    """the run's phase (forward, backward, ...); "" for transfers"""
+    predicted: float
+    measured: float
+    count: int
+    """measured bars behind the median"""
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted (inf when nothing was predicted)"""
+        return self.measured / self.predicted if self.predicted > 0 else float("inf")
+
+
+def stage_costs(predicted: Sequence[Bar], measured: Sequence[Bar]) -> tuple[StageCost, ...]:
+    """Per stage and phase (and per receiving mesh for transfers), the median predicted and measured durations.
+
+    Both sides are bars (``timeline_bars`` and ``measured_bars``/``worker_bars``), so the in-process and
+    the Ray runtime are compared the same way; only kinds that were measured are listed.
+    """
+
+    def key(b: Bar) -> tuple[int, str, str]:
+        return (b.mesh, "TRANSFER", "") if b.kind == "TRANSFER" else (b.stage, b.kind, b.phase)
+
+    def durations(bars: Sequence[Bar]) -> dict[tuple[int, str, str], list[float]]:
+        out: dict[tuple[int, str, str], list[float]] = {}
+        for b in bars:
+            out.setdefault(key(b), []).append(b.end - b.start)
+        return out
+
+    want, got = durations(predicted), durations(measured)
+    return tuple(
+        StageCost(k[0], k[1], k[2], float(np.median(want[k])) if k in want else 0.0, float(np.median(got[k])), len(got[k]))
+        for k in sorted(got)
+    )
+
+
 def worker_bars(events: Sequence[Any], step: int) -> tuple[Bar, ...]:
     """Bars of one step from the Ray mesh workers' events: RUNs on their stage's mesh, RECVs as transfers.
 

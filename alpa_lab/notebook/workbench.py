@@ -232,16 +232,17 @@ class Workbench(W.VBox):
         if not self.measured_steps:
             return "<i>run the step (workbench.run(state, batch)) to see measured times next to the predicted ones</i>"
         rows = []
-        per_stage: dict[int, float] = {}
-        for b in self.measured:
-            per_stage[b.stage] = per_stage.get(b.stage, 0.0) + b.end - b.start
-        for st in (self.plan.stages if self.pipelined else ()):
-            predicted = self.plan.num_microbatches * (st.forward_time + st.backward_time) + st.apply_time
-            rows.append([str(st.index), render._ms(predicted), render._ms(per_stage.get(st.index, 0.0))])
+        predicted = views.timeline_bars(self.plan) if self.pipelined else ()
+        for c in views.stage_costs(predicted, self.measured):
+            names = {"RUN": f"stage {c.stage} {c.phase}", "UPDATE": f"stage {c.stage} update", "TRANSFER": f"into mesh {c.stage}"}
+            what = names[c.kind]
+            ratio = f"{c.ratio:.2f}x" if c.predicted > 0 else "-"
+            rows.append([what, render._ms(c.predicted), render._ms(c.measured), ratio])
         steady = self.measured_steps[1:] or self.measured_steps  # the first step compiles
         median = f"{render._ms(statistics.median(steady))} (median of {len(steady)}; first step with compiling "
-        rows.append(["step", render._ms(self.plan.estimated_step_time), median + f"{render._ms(self.measured_steps[0])})"])
-        table = render._table(["stage", "predicted", "measured (last step)"], rows)
+        step_ratio = f"{statistics.median(steady) / self.plan.estimated_step_time:.2f}x" if self.plan.estimated_step_time > 0 else "-"
+        rows.append(["step", render._ms(self.plan.estimated_step_time), median + f"{render._ms(self.measured_steps[0])})", step_ratio])
+        table = render._table(["span (medians, last step)", "predicted", "measured", "measured / predicted"], rows)
         return render.styled("<b>measured against predicted</b>" + table)
 
     def _draw_traffic(self) -> None:
