@@ -132,7 +132,7 @@ class MeshWorker:
         ``peers``: (mesh, host) -> (worker id, actor) of every mesh worker, where the moves' messages go.
         """
         import jax
-        from jax.sharding import Mesh
+        from jax.sharding import Mesh, NamedSharding
 
         t0 = time.perf_counter()
         pl = program.placement
@@ -155,9 +155,21 @@ class MeshWorker:
         self.mesh = pl.mesh
         self.host = pl.hosts[self.rank]
         self._plan_id = {device(d): d for d in pl.device_ids if pl.host_of(d) == self.host}
-        # per incoming move, the unit tasks whose regions this host receives (one message per sender host)
+        # per incoming move, the unit tasks whose regions this host receives (one message per sender host);
+        # per outgoing move, what this host sends each receiving host: worked out once, not on every send
         self._expect = {
             key: {k for (_, hr), ks in m.host_pairs().items() if hr == self.host for k, _ in ks} for key, m in program.moves_in.items()
+        }
+        self._outgoing = {
+            key: tuple(
+                (
+                    m,
+                    NamedSharding(self._meshes[m.src_stage], m.src_spec),
+                    tuple((hr, ks) for (hs, hr), ks in m.host_pairs().items() if hs == self.host),
+                )
+                for m in moves
+            )
+            for key, moves in program.moves_out.items()
         }
         self._fns = {}
         for t in [*program.tasks.values(), *program.update]:
@@ -182,12 +194,13 @@ class MeshWorker:
         under ``sent_step``, the step whose traffic it is (new state is sent at the end of one
         step and read in the next).
         """
-        refs = [k for k, a in parts if type(a).__name__ == "ObjectRef"]
-        if refs:
+        big = [i for i, (_, a) in enumerate(parts) if type(a).__name__ == "ObjectRef"]
+        if big:
             import ray
 
-            got = dict(zip(refs, ray.get([a for _, a in parts if type(a).__name__ == "ObjectRef"])))
-            parts = [(k, got.get(k, a)) if type(a).__name__ == "ObjectRef" else (k, a) for k, a in parts]
+            parts = list(parts)
+            for i, a in zip(big, ray.get([parts[i][1] for i in big])):
+                parts[i] = (parts[i][0], a)
         now = time.time()
         with self._cv:
             self._inbox.setdefault((step, var, microbatch), {}).update(parts)
@@ -325,18 +338,14 @@ class MeshWorker:
         def send(v: int, mb: int, x: Any, tag: int) -> None:
             """Cut the regions of ``x`` this host sends out of its devices' shards; one message per receiving host."""
             import ray
-            from jax.sharding import NamedSharding
 
-            for move in prog.moves_out.get((v, move_kind(tag)), ()):
+            for move, src, to_hosts in self._outgoing.get((v, move_kind(tag)), ()):
                 t = time.time()
-                src = NamedSharding(self._meshes[move.src_stage], move.src_spec)
                 if not x.sharding.is_equivalent_to(src, x.ndim):  # the unit tasks cut the planned layout
                     x = jax.device_put(x, src)
                 shards = {self._plan_id[sh.device]: sh for sh in x.addressable_shards}
                 local: dict[int, np.ndarray] = {}
-                for (hs, hr), regions in move.host_pairs().items():
-                    if hs != self.host:
-                        continue
+                for hr, regions in to_hosts:
                     parts = []
                     for k, d in regions:
                         if d not in local:

@@ -205,16 +205,12 @@ def worker_programs(compiled: Any, graph: Any, placements: Sequence[MeshPlacemen
     for t in update:
         for v in t.outvars:
             producer.setdefault(v, worker_of_stage[t.stage])
-    mb_readers: dict[int, set[int]] = defaultdict(set)
-    step_readers: dict[int, set[int]] = defaultdict(set)
-    arg_readers: dict[int, set[int]] = defaultdict(set)
+    arg_readers: dict[int, set[int]] = defaultdict(set)  # step argument -> the workers that read it
     invars = set(graph.invars)
-    for (s, _), t in per_mb:
+    for t in [*(t for _, t in per_mb), *update]:
         for v in t.invars:
-            (arg_readers if v in invars else mb_readers)[v].add(worker_of_stage[s])
-    for t in update:
-        for v in t.invars:
-            (arg_readers if v in invars else step_readers)[v].add(worker_of_stage[t.stage])
+            if v in invars:
+                arg_readers[v].add(worker_of_stage[t.stage])
 
     split = dict(zip(graph.invars, compiled.split)) if pipelined else {v: False for v in graph.invars}
     state_args = graph.invars[:num_state]

@@ -246,7 +246,6 @@ class RayRun:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    num_microbatches: int = 1
     _rest_tree: Any = field(default=None, repr=False)
 
 
@@ -417,7 +416,6 @@ def launch(
         _event_cursor=[0] * len(actors),
         _invars=invars,
         _outvars=tuple(graph.outvars),
-        num_microbatches=getattr(compiled, "num_microbatches", 1),
         _rest_tree=rest_tree,
     )
     run._gather(loads, "loading the programs")
