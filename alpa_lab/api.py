@@ -348,6 +348,42 @@ class ParallelizedStep:
 
         return launch(self, cluster, state, *example, keep_state_every=keep_state_every, step_timeout=step_timeout)
 
+    def train(self, state: Any, batches: Any, *, steps: int = 100, **options: Any) -> Any:
+        """Train the current plan for ``steps`` steps in a background thread; returns the ``TrainingRun``.
+
+        On the step's Ray cluster (``on_ray``) when it has one, else in this process. ``batches``:
+        one batch, a list of them (cycled), an iterator, or a function of the step index.
+        ``run.stop()``, ``run.wait()``, ``run.state``, ``run.profile()``.
+        """
+        from alpa_lab.runtime.training import TrainingRun
+
+        if self.current_plan is None:
+            raise ValueError("this step has no plan yet: call step.plan(state, batch) first")
+        return TrainingRun(self, state, batches, steps=steps, **options)
+
+    def recalibrate(self, profile: Any, *args: Any) -> Plan | PipelinePlan:
+        """Plan again, from scratch, with the costs ``profile`` measured (``run.profile()``); the plan becomes current.
+
+        The step's cluster becomes ``profile.cluster()``. A pipeline plan is re-solved by
+        ``PipelinePlan.recalibrated``; a single-mesh plan is planned again with the last
+        arguments (or ``args``), its pins kept.
+        """
+        plan = self._require_plan()
+        if isinstance(plan, PipelinePlan):
+            new = plan.recalibrated(profile)
+            self.cluster = ClusterSpec(**new.cluster)
+            self._problems[new.fingerprint] = new.problem
+            self.current_plan = new
+            return new
+        from alpa_lab.cost.profile import ProfileError
+
+        have = (self.cluster.hosts, self.cluster.devices_per_host)
+        if (profile.cluster_spec["hosts"], profile.cluster_spec["devices_per_host"]) != have:
+            raise ProfileError(f"the profile was measured for another cluster shape than this step's {have[0]}x{have[1]}")
+        args = args or tuple(self._last_args)
+        self.cluster = profile.cluster()
+        return self.plan(*args, pins=dict(plan.pins) or None)
+
     def compiled_hlo(self, *args: Any) -> str:
         """XLA's optimised HLO of the current plan (what XLA really runs)."""
         return self.compiled(*args).lower_text(*jax.tree_util.tree_leaves(args))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -801,6 +802,45 @@ class PipelinePlan:
         if interleaved:
             chosen = interleave(chosen, self.num_layers, self.num_stages // self.num_meshes)
         return self._replan(chosen, dict(self.pins), False)
+
+    def recalibrated(self, profile: Any) -> PipelinePlan:
+        """This plan re-solved from scratch with the costs a run measured (``run.profile()``).
+
+        The cluster becomes ``profile.cluster()`` (the fitted compute and communication scales
+        and launch and transfer overheads, ``cost.profile``); the stage DP and every stage's ILP
+        run again with it, as ``parallelize(step, cluster=profile.cluster(), ...)`` would plan.
+        Op pins are kept, and stage boundaries too when they were pinned; an interleaved plan
+        is re-planned as 1F1B and interleaved again with as many chunks.
+        """
+        from alpa_lab.cost.profile import ProfileError
+        from alpa_lab.passes.pipeline import fixed_stages, interleave, plan_pipeline
+
+        problem = self._require_problem()
+        measured_on = (profile.cluster_spec["hosts"], profile.cluster_spec["devices_per_host"])
+        if measured_on != (self.cluster["hosts"], self.cluster["devices_per_host"]):
+            raise ProfileError(
+                f"the profile was measured on {profile.cluster_spec['hosts']}x{profile.cluster_spec['devices_per_host']} devices "
+                f"but this plan is for {self.cluster['hosts']}x{self.cluster['devices_per_host']}: profile a run of a plan for this cluster"
+            )
+        cluster = profile.cluster()
+        interleaved = self.schedule == "interleaved_1f1b"
+        t0 = time.perf_counter()
+        new_problem, stages, _ = plan_pipeline(
+            problem.graph, cluster, num_microbatches=self.num_microbatches,
+            schedule="1f1b" if interleaved else self.schedule, method=self.method,
+        )
+        if self.stage_pins:
+            ranges = [[st.layers[0], st.layers[1] - 1] for st in self.stages]
+            chosen = fixed_stages(new_problem, ranges, [st.submesh_shape for st in self.stages], [st.logical_shape for st in self.stages])
+        else:
+            chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
+            if interleaved:
+                chosen = interleave(chosen, self.num_layers, self.num_stages // self.num_meshes)
+        fresh = dataclasses.replace(
+            self, cluster=cluster.to_dict(), problem=new_problem,
+            planning_seconds={"recalibrate": time.perf_counter() - t0, **new_problem.seconds},
+        )
+        return fresh._replan(chosen, dict(self.pins), self.stage_pins)
 
     def pin(self, op: str, strategy: str) -> PipelinePlan:
         """A new plan with ``op`` fixed to ``strategy``; only ``op``'s stage is re-solved."""

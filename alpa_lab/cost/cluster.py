@@ -52,6 +52,8 @@ class ClusterSpec:
     """seconds one operator costs beyond its FLOPs and bytes (0 for the presets; measured by ``calibrate``)"""
     task_overhead: float = 0.0
     """seconds to launch one compiled program (a stage's unit task) and see it finish, beyond its ops"""
+    transfer_overhead: float = 0.0
+    """seconds one cross-mesh transfer costs beyond its bytes (a message between mesh workers; measured by a run)"""
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:

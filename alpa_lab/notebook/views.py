@@ -338,7 +338,12 @@ def worker_bars(events: Sequence[Any], step: int) -> tuple[Bar, ...]:
 
     Times are from the step's first event (the events are in the driver's clock already).
     """
-    mine = [e for e in events if e.step == step and e.kind in ("run", "recv")]
+    return event_bars([e for e in events if e.step == step])
+
+
+def event_bars(events: Sequence[Any]) -> tuple[Bar, ...]:
+    """Bars from runtime events (``mesh_worker.Event``, either runtime), times from the first event's start."""
+    mine = [e for e in events if e.kind in ("run", "recv")]
     if not mine:
         return ()
     t0 = min(e.start for e in mine)
@@ -346,7 +351,8 @@ def worker_bars(events: Sequence[Any], step: int) -> tuple[Bar, ...]:
     for e in mine:
         if e.kind == "run":
             kind = "UPDATE" if e.phase == "apply" else "RUN"
-            bars.append(Bar(e.mesh, e.stage, kind, e.phase, e.microbatch, e.start - t0, e.end - t0, source="measured"))
+            mb = e.microbatch if e.phase != "step" else e.step
+            bars.append(Bar(e.mesh, e.stage, kind, e.phase, mb, e.start - t0, e.end - t0, source="measured"))
         else:
             bars.append(Bar(e.mesh, -1, "TRANSFER", "recv", e.microbatch, e.start - t0, e.end - t0, source="measured", peer=e.peer))
     return tuple(bars)

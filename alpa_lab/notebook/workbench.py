@@ -14,13 +14,11 @@ from __future__ import annotations
 import html
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ipywidgets as W
-import jax
 import plotly.graph_objects as go
 
 from alpa_lab.notebook import render, views
@@ -84,7 +82,6 @@ class Workbench(W.VBox):
         self.measured: tuple[views.Bar, ...] = ()
         self.measured_steps: list[float] = []
         self.result: Any = None
-        self._thread: threading.Thread | None = None
         self.refresh_seconds = 0.0
 
         self.title = W.HTML()
@@ -108,13 +105,22 @@ class Workbench(W.VBox):
         # launch: run the current plan (on the step's Ray cluster when it has one) from the widget
         self.run_args: tuple = ()
         """the step's arguments for the Launch button (the magic sets them from --args)"""
-        self._stop = threading.Event()
         self.launch_steps = W.BoundedIntText(value=3, min=1, max=1_000_000, description="steps")
         self.launch_button = W.Button(description="Launch", button_style="success", icon="play")
         self.launch_button.on_click(lambda _: self._guard(lambda: self.run(*self.run_args, steps=self.launch_steps.value)))
         self.stop_button = W.Button(description="Stop", icon="stop", tooltip="stop after the current step; the state is kept")
         self.stop_button.on_click(lambda _: self.stop())
         self.backend_html = W.HTML()
+        # dashboard: the launched runs, each with its own live dashboard
+        self.runs: list[Any] = []
+        """every run launched from this workbench (``TrainingRun``), oldest first"""
+        self.dashboards: list[Any] = []
+        self.run_select = W.Dropdown(description="run", options=[])
+        self.run_select.observe(lambda _: self._show_dashboard(), "value")
+        self.recalibrate_button = W.Button(description="Re-plan with measured costs", icon="refresh",
+                                           tooltip="re-solve the plan with the costs the selected run measured (plan.recalibrated)")
+        self.recalibrate_button.on_click(lambda _: self.recalibrate())
+        self.dashboard_box = W.VBox([W.HTML("<i>no run yet: Launch one (Timeline tab) or wb.launch(state, batches, steps=...)</i>")])
         # traffic
         self.traffic_box = W.VBox()
         self.traffic_cell = W.Dropdown(description="cell", options=[])
@@ -161,8 +167,10 @@ class Workbench(W.VBox):
                 W.HBox([self.stage_layers, self.stage_submeshes, self.stages_button, self.unpin_stages_button]), self.table_html,
             ]),
             W.VBox([W.HBox([self.undo_button, self.save_path, self.save_button]), self.changes_html]),
+            W.VBox([W.HBox([self.launch_steps, self.launch_button, self.stop_button, self.run_select, self.recalibrate_button]),
+                    self.dashboard_box]),
         ])
-        for i, name in enumerate(("Overview", "Sharding", "Timeline", "Traffic", "Strategies", "Changes")):
+        for i, name in enumerate(("Overview", "Sharding", "Timeline", "Traffic", "Strategies", "Changes", "Dashboard")):
             self.tabs.set_title(i, name)
         self.children = [self.title, self.status, self.tabs]
         self.refresh()
@@ -411,79 +419,132 @@ class Workbench(W.VBox):
         self.pin_stages(layers, submeshes)
 
     # ----- running ---------------------------------------------------------------------
-    def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> threading.Thread:
-        """Train ``steps`` steps in a background thread, streaming measured times into the timeline.
+    def launch(self, state: Any, batches: Any, *, steps: int = 100, update: Callable[[Any], Any] | None = None) -> Any:
+        """Train the current plan ``steps`` steps in the background, with a live dashboard; returns the ``TrainingRun``.
 
-        ``args`` are the step's arguments; after each step ``update(result)`` gives the next
-        arguments (default: the result's first element replaces the first argument, as in
-        ``state, loss = step(state, batch)``). The final result is ``self.result``. A failure
-        is shown and keeps the plan and the last good state.
+        On the step's Ray cluster when it has one (``%%parallelize --ray``), else in this process.
+        ``batches``: one batch, a list (cycled), an iterator, or a function of the step index.
+        The notebook stays usable; ``run.stop()`` (or Stop) ends it after the current step.
+        Each run gets its own dashboard (``self.dashboards``; the Dashboard tab shows the newest);
+        one that fails shows why there, and keeps the plan and the last good state (``run.state``).
+        """
+        from alpa_lab.notebook.dashboard import Dashboard
+        from alpa_lab.runtime.training import TrainingRun
+
+        if self.step is None:
+            raise ValueError("this workbench has no step to run: make it with Workbench(plan, step)")
+        if self.runs and self.runs[-1].running:
+            raise ValueError("a run is already in progress; stop it (run.stop()) or wait for it (run.wait())")
+        run = TrainingRun(self.step, state, batches, steps=steps, update=update, start=False)
+        dash = Dashboard(run, follow=False)
+        dash.on_update = lambda _s, run=run: self._sync_run(run)
+        self.runs.append(run)
+        self.dashboards.append(dash)
+        self.last_error = ""
+        self.measured, self.measured_steps = (), []
+        with self.run_select.hold_sync():
+            self.run_select.options = [(f"run {i} ({r.steps} steps)", i) for i, r in enumerate(self.runs)]
+            self.run_select.value = len(self.runs) - 1
+        self._show_dashboard()
+        run.start()
+        dash.follow()
+        return run
+
+    @property
+    def dashboard(self) -> Any:
+        """The newest run's dashboard (None before the first launch)."""
+        return self.dashboards[-1] if self.dashboards else None
+
+    def _show_dashboard(self) -> None:
+        i = self.run_select.value
+        if i is not None and 0 <= i < len(self.dashboards):
+            self.dashboard_box.children = [self.dashboards[i]]
+
+    def _sync_run(self, run: Any) -> None:
+        """The run's measurements into the timeline and the measured table (called on each dashboard redraw)."""
+        steps = run.monitor.steps()
+        self.measured_steps = [r.seconds for r in steps]
+        events = run.monitor.snapshot(recent=1).events
+        if steps and events:
+            last = steps[-1].step
+            if self.pipelined:
+                self.measured = views.event_bars([e for e in events if e.step == last])
+            else:  # one bar per step, from the first step kept in the window
+                self.measured = views.event_bars(events)
+        if run.result is not None:
+            self.result = run.result
+        if run.status == "failed":
+            self.last_error = run.error
+            self.status.value = f'<span style="color:#c00">run failed: {html.escape(run.error)} (plan and last state kept)</span>'
+        elif steps:
+            self.status.value = f"{run.status}: step {len(steps)}/{run.steps}, {steps[-1].seconds * 1e3:.1f} ms"
+        self._draw_timeline()
+
+    def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> Any:
+        """``launch`` with the step's arguments as given (``wb.run(state, batch, steps=3)``); ``block`` waits for it.
+
+        ``update(result)`` gives the next state (default: the result's first element).
         """
         if self.step is None:
             raise ValueError("this workbench has no step to run: make it with Workbench(plan, step)")
         if not args:
             raise ValueError("no arguments to run the step with: wb.run(state, batch), or set wb.run_args = (state, batch)")
-        if self._thread is not None and self._thread.is_alive():
-            raise ValueError("a run is already in progress; wait for it (workbench.wait())")
-        update = update or (lambda res: (res[0], *args[1:]))
-        self.last_error = ""
-
-        def work() -> None:
-            from alpa_lab.runtime.pipeline import CompiledPipeline
-
-            current = args
-            compiled = None
-            on_ray = getattr(self.step, "ray_cluster", None) is not None
-            try:
-                compiled = self.step.compiled(*current)
-                pipelined = isinstance(compiled, CompiledPipeline) and not on_ray
-                if pipelined:
-                    compiled.profile = True  # wait for each unit task: records are run times, not dispatch times
-                self.measured = ()  # a single-mesh step is one jitted program: one bar per step
-                start = time.perf_counter()
-                for i in range(steps):
-                    if self._stop.is_set():
-                        self.status.value = f"stopped after step {i} of {steps} (state kept: workbench.result)"
-                        break
-                    t0 = time.perf_counter()
-                    res = self.step(*current)
-                    jax.block_until_ready(res)
-                    t1 = time.perf_counter()
-                    self.measured_steps.append(t1 - t0)
-                    if on_ray:  # the mesh workers' events of this step
-                        run = self.step.ray_run
-                        self.measured = views.worker_bars(run.events(), run.steps_done - 1)
-                    elif pipelined:
-                        self.measured = views.measured_bars(compiled.last_timings.get("records", ()))
-                    else:
-                        self.measured += (views.Bar(0, 0, "RUN", "step", i, t0 - start, t1 - start, source="measured"),)
-                    self.result = res
-                    current = update(res)
-                    self.status.value = f"step {i + 1}/{steps}: {self.measured_steps[-1] * 1e3:.1f} ms"
-                    self._draw_timeline()
-            except Exception as err:  # noqa: BLE001 - shown to the user; the plan and state stay
-                self.last_error = f"{type(err).__name__}: {err}"
-                self.status.value = f'<span style="color:#c00">run failed: {html.escape(self.last_error)} (plan and last state kept)</span>'
-            finally:
-                if isinstance(compiled, CompiledPipeline):
-                    compiled.profile = False
-
-        self._stop.clear()
-        self._thread = threading.Thread(target=work, name="alpa_lab-run", daemon=True)
-        self._thread.start()
+        batch = args[1] if len(args) == 2 else tuple(args[1:])
+        run = self.launch(args[0], batch, steps=steps, update=update)
         if block:
-            self._thread.join()
-        return self._thread
+            self.wait()
+        return run
 
     def stop(self) -> None:
-        """Stop the background run after the step it is in; its last result stays (``self.result``)."""
-        self._stop.set()
+        """Stop the running run after the step it is in; its last state stays (``run.state``)."""
+        if self.runs:
+            self.runs[-1].stop()
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the background run; returns its last result."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Wait for the newest run and its dashboard's last redraw; returns its last result."""
+        if self.runs:
+            self.runs[-1].wait(timeout)
+            self.dashboards[-1].wait(timeout)
         return self.result
+
+    def recalibrate(self, run: Any = None) -> bool:
+        """Re-solve the plan with the costs ``run`` (default: the selected run) measured; shows what changed.
+
+        The change note gives the measured step time, the re-solved plan's prediction with the
+        measured costs, and the current plan's own prediction with them (its stages kept).
+        """
+        if run is None:
+            i = self.run_select.value
+            run = self.runs[i] if i is not None and 0 <= i < len(self.runs) else None
+        if run is None:
+            return self._refuse("no run to take measurements from: launch one first")
+        try:
+            prof = run.profile()
+        except ValueError as err:
+            return self._refuse(str(err))
+        old = self.plan
+        if self.step is not None:
+            ok = self._edit(f"re-plan with the costs run {self.runs.index(run) if run in self.runs else '?'} measured",
+                            lambda p: self.step.recalibrate(prof))
+        else:
+            ok = self._edit("re-plan with measured costs", lambda p: p.recalibrated(prof))
+        if not ok:
+            return False
+        note = (
+            f"measured step {prof.step_measured * 1e3:.3f} ms; re-solved plan predicts "
+            f"{self.plan.estimated_step_time * 1e3:.3f} ms with the measured costs"
+        )
+        if isinstance(old, PipelinePlan) and self.pipelined:
+            try:
+                kept = self.plan.pin_stages([[st.layers[0], st.layers[1] - 1] for st in old.stages],
+                                            [st.submesh_shape for st in old.stages], [st.logical_shape for st in old.stages])
+                note += f", the previous stages {kept.estimated_step_time * 1e3:.3f} ms"
+            except ValueError:
+                pass
+        self.changes[-1] += "\n" + note
+        self.refresh()
+        self.status.value += f"<br>{html.escape(note)}"
+        return True
 
     # ----- export ----------------------------------------------------------------------
     def save(self, path: str | Path) -> bool:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
+from alpa_lab.cost.profile import CostParts
 from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
@@ -224,34 +225,50 @@ def _plan_stage(
     return problem.stage_plans[key]
 
 
+def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, CostParts]:
+    """A stage's predicted forward, backward and update, split into the cost model's terms (``cost.profile``).
+
+    Each resharding is charged to the phase of the op that reads it; what the objective has
+    beyond the ops and those (reshardings read by no op of the stage) goes to the forward.
+    Each phase runs as one program (a unit task) per micro-batch, the update once per step:
+    one launch each.
+    """
+    stage_ops = problem.slicing.ops_of(range(*layers))
+    phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in stage_ops}
+    compute = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
+    comm = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
+    for o in plan.ops:
+        if o.kind == "op":
+            p = phase.get(o.name, FORWARD)
+            compute[p] += o.compute_cost
+            comm[p] += o.communication_cost
+    rest = plan.objective - sum(compute.values()) - sum(comm.values())
+    for r in plan.reshardings:
+        p = phase.get(r.consumer, FORWARD)
+        if p != FORWARD:
+            comm[p] += r.cost
+            rest -= r.cost
+    comm[FORWARD] += rest
+    return {
+        p: CostParts(compute[p], comm[p], 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0)
+        for p in (FORWARD, BACKWARD, APPLY)
+    }
+
+
 def _stage_figures(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> tuple[float, float, float, float, float]:
     """Forward, backward and update seconds; weight and activation bytes, from a stage plan."""
     stage_ops = problem.slicing.ops_of(range(*layers))
-    phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in stage_ops}
     saved = {problem.graph.ops[i].name for i in stage_ops if i in problem.saved}
-    by_phase = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     weights = activations = 0.0
     kinds_by_name = {problem.graph.vars[v].name: k for v, k in problem.argument_kinds.items()}
     for o in plan.ops:
         if o.kind != "op":
             if kinds_by_name.get(o.name) in ("param", "optimizer_state"):
                 weights += o.memory_cost
-            continue
-        by_phase[phase.get(o.name, FORWARD)] += o.compute_cost + o.communication_cost
-        if o.name in saved:
+        elif o.name in saved:
             activations += o.memory_cost
-    # the rest of the objective is the reshardings between ops: each is charged to the phase of the op that reads it
-    rest = plan.objective - sum(by_phase.values())
-    for r in plan.reshardings:
-        p = phase.get(r.consumer, FORWARD)
-        if p != FORWARD:
-            by_phase[p] += r.cost
-            rest -= r.cost
-    # each phase runs as one program (a unit task) per micro-batch, the update once per step: one launch each
-    launch = problem.cluster.task_overhead
-    forward = by_phase[FORWARD] + rest + launch
-    backward = by_phase[BACKWARD] + (launch if by_phase[BACKWARD] else 0.0)
-    update = by_phase[APPLY] + (launch if by_phase[APPLY] else 0.0)
+    parts = stage_parts(problem, plan, layers)
+    forward, backward, update = (parts[p].seconds(problem.cluster) for p in (FORWARD, BACKWARD, APPLY))
     return forward, backward, update, weights, activations
 
 
@@ -294,8 +311,12 @@ def plan_stages(
     return tuple(results), timeline
 
 
-def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> float:
-    """The slowest boundary's activation (or gradient) transfer between adjacent stages."""
+def boundary_parts(problem: PipelineProblem, stages: Sequence[StageResult]) -> list[CostParts]:
+    """Per boundary i (stage i to i + 1): the heavier direction's transfer per micro-batch, as cost terms.
+
+    Activations go forward, gradients come back; each direction is one message per tensor
+    (``transfers`` counts the boundary once: one message's fixed cost, as the runtime overlaps them).
+    """
     graph, sl = problem.graph, problem.slicing
     stage_of_op = sl.stage_of_ops([st.layers for st in stages])
     forward = [0.0] * len(stages)  # bytes stage i sends to i + 1 (activations) ...
@@ -315,16 +336,21 @@ def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> f
                 forward[src] += graph.vars[v].nbytes
             elif src > dst:
                 backward[dst] += graph.vars[v].nbytes
-    crossing = [max(f, b) for f, b in zip(forward, backward)]
-    worst = 0.0
     c = problem.cluster
+    out = []
     for i in range(len(stages) - 1):
         same_host = {d // c.devices_per_host for d in stages[i].device_ids} == {
             d // c.devices_per_host for d in stages[i + 1].device_ids
         }
         bw = c.intra_host_bandwidth if same_host else c.inter_host_bandwidth
-        worst = max(worst, crossing[i] / bw)
-    return worst
+        crossing = max(forward[i], backward[i])
+        out.append(CostParts(communication=crossing / bw, transfers=1.0 if crossing else 0.0))
+    return out
+
+
+def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> float:
+    """The slowest boundary's activation (or gradient) transfer between adjacent stages."""
+    return max((p.seconds(problem.cluster) for p in boundary_parts(problem, stages)), default=0.0)
 
 
 def plan_pipeline(

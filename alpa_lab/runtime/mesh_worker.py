@@ -37,6 +37,12 @@ INLINE_BYTES = 64 * 1024
 """Messages carrying up to this many bytes are sent inline instead of through the object store."""
 
 
+EVENTS_KEPT = 20_000
+"""events a worker keeps (the driver reads them as they come; a long run drops the oldest)"""
+STEPS_KEPT = 64
+"""steps whose received bytes a worker keeps"""
+
+
 class WorkerAborted(RuntimeError):
     """The driver aborted the step this worker was waiting in (another worker failed)."""
 
@@ -78,6 +84,8 @@ class MeshWorker:
         self._cv = threading.Condition()
         self._inbox: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}  # (step, var, tag) -> regions so far
         self._events: list[Event] = []
+        self._events_base = 0  # index of self._events[0] among all events (old ones are dropped)
+        self._received: dict[int, dict[int, int]] = {}  # step -> sender -> bytes (the last STEPS_KEPT steps)
         self._aborted = False
         self._program: WorkerProgram | None = None
         self._peers: dict[tuple[int, int], Any] = {}
@@ -205,7 +213,11 @@ class MeshWorker:
         with self._cv:
             self._inbox.setdefault((step, var, microbatch), {}).update(parts)
             nbytes = sum(int(a.nbytes) for _, a in parts)
-            self._events.append(Event(self.worker, self.mesh, -1, "recv", "", microbatch, sent_step, sent_at, now, nbytes, sender, var))
+            self._record(Event(self.worker, self.mesh, -1, "recv", "", microbatch, sent_step, sent_at, now, nbytes, sender, var))
+            got = self._received.setdefault(sent_step, {})
+            got[sender] = got.get(sender, 0) + nbytes
+            for old in [k for k in self._received if k < sent_step - STEPS_KEPT]:
+                del self._received[old]
             self._cv.notify_all()
 
     def abort(self) -> None:
@@ -363,7 +375,7 @@ class MeshWorker:
                         acks.append(call)
                     to = self._worker_ids[(move.dst_mesh, hr)]
                     sent[to] += nbytes
-                    self._events.append(Event(self.worker, self.mesh, -1, "send", "", mb, step, t, time.time(), nbytes, to, v))
+                    self._record(Event(self.worker, self.mesh, -1, "send", "", mb, step, t, time.time(), nbytes, to, v))
 
         def call(task: Any, mb: int) -> list[Any]:
             key = (task.stage, task.phase, task.outvars)
@@ -371,7 +383,7 @@ class MeshWorker:
             t = time.time()
             outs = self._fns[key](*ins)
             jax.block_until_ready(outs)
-            self._events.append(Event(self.worker, self.mesh, task.stage, "run", task.phase, mb, step, t, time.time()))
+            self._record(Event(self.worker, self.mesh, task.stage, "run", task.phase, mb, step, t, time.time()))
             return list(outs)
 
         def ready(s: int, phase: str, mb: int) -> bool:
@@ -443,12 +455,16 @@ class MeshWorker:
 
     def received(self, step: int) -> dict[int, int]:
         """Bytes received from each peer for ``step``'s traffic (complete once every worker finished it)."""
-        out: dict[int, int] = defaultdict(int)
         with self._cv:
-            for e in self._events:
-                if e.kind == "recv" and e.step == step:
-                    out[e.peer] += e.nbytes
-        return dict(out)
+            return dict(self._received.get(step, {}))
+
+    def _record(self, event: Event) -> None:
+        """Keep an event (the caller holds ``self._cv``); the oldest half goes once there are EVENTS_KEPT."""
+        self._events.append(event)
+        if len(self._events) > EVENTS_KEPT:
+            drop = len(self._events) // 2
+            del self._events[:drop]
+            self._events_base += drop
 
     # ----- reading back -------------------------------------------------------------------
     def state(self) -> dict[int, np.ndarray]:
@@ -458,20 +474,43 @@ class MeshWorker:
         return {v: _to_host(x) for v, x in self._state.items() if v in own or v not in (prog.remote_state if prog else ())}
 
     def events(self, since: int = 0) -> tuple[int, list[Event]]:
-        """Events from index ``since`` on, and the index to ask from next time."""
+        """Events from index ``since`` on (those still kept), and the index to ask from next time."""
         with self._cv:
-            out = self._events[since:]
-            return since + len(out), out
+            out = self._events[max(since - self._events_base, 0) :]
+            return self._events_base + len(self._events), out
 
     def memory(self) -> list[dict[str, Any]]:
-        """Per device: bytes in use and the limit, where the backend reports them."""
-        import jax
+        """Per device: bytes in use and the limit, where the backend reports them (else JAX's live buffers)."""
+        return memory_rows()
 
-        out = []
-        for d in jax.local_devices():
-            stats = d.memory_stats() or {}
-            out.append({"device": str(d), "bytes_in_use": stats.get("bytes_in_use"), "bytes_limit": stats.get("bytes_limit")})
-        return out
+
+def memory_rows() -> list[dict[str, Any]]:
+    """This process's devices' memory: the backend's figures, or the bytes of JAX's live arrays on each device.
+
+    Simulated CPU devices report no memory statistics; the live arrays (every buffer JAX holds
+    for this process) are then what the plan's eq. 5 figure predicts, without XLA's scratch space.
+    """
+    import jax
+
+    devices = jax.local_devices()
+    stats = {d: d.memory_stats() for d in devices}
+    live: dict[Any, int] = {}
+    if not all(stats.values()):
+        for arr in jax.live_arrays():
+            try:
+                for shard in arr.addressable_shards:
+                    live[shard.device] = live.get(shard.device, 0) + shard.data.nbytes
+            except Exception:  # noqa: BLE001 - an array deleted meanwhile
+                continue
+    out = []
+    for d in devices:
+        st = stats[d] or {}
+        if st.get("bytes_in_use") is not None:
+            used, limit, source = int(st["bytes_in_use"]), st.get("bytes_limit"), "backend"
+        else:
+            used, limit, source = live.get(d, 0), None, "live buffers"
+        out.append({"device": str(d), "device_id": d.id, "bytes_in_use": used, "bytes_limit": limit, "source": source})
+    return out
 
 
 def _resolve(refs: dict[int, Any]) -> dict[int, Any]:

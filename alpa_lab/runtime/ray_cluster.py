@@ -31,6 +31,17 @@ def _ray() -> Any:
     return ray
 
 
+def _dashboard_url() -> str:
+    """The connected Ray cluster's dashboard address, or "" when it runs none (or Ray does not say)."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url() or ""
+    except Exception:  # noqa: BLE001 - an internal of Ray's that may move: no link then
+        return ""
+    return f"http://{url}" if url and not url.startswith("http") else url
+
+
 def _check_answers(address: str, timeout: float) -> None:
     """A ``host:port`` that does not accept connections fails here in seconds (Ray itself retries for a minute)."""
     import socket
@@ -59,13 +70,19 @@ class RayCluster:
     started_here: bool
     node_ids: tuple[str, ...] = ()
     """Ray node id per host (a connected cluster); a local one has all hosts on this node."""
+    dashboard_url: str = ""
+    """Ray's dashboard (http://...), when the cluster runs one"""
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
     def local(
-        cls, hosts: int = 2, devices_per_host: int = 4, *, spec: ClusterSpec | None = None, platform: str = "cpu"
+        cls, hosts: int = 2, devices_per_host: int = 4, *, spec: ClusterSpec | None = None, platform: str = "cpu",
+        dashboard: bool = False,
     ) -> RayCluster:
-        """Start a local Ray (127.0.0.1, no dashboard); each host's devices are simulated CPU devices.
+        """Start a local Ray (127.0.0.1); each host's devices are simulated CPU devices.
+
+        ``dashboard=True`` starts Ray's dashboard too (on 127.0.0.1; a few seconds more to start),
+        linked from alpa_lab's run dashboard.
 
         ``spec``: the cluster to plan for (default ``ClusterSpec.local(hosts, devices_per_host)``);
         it must have the same hosts and devices per host. ``platform="gpu"``: this machine's
@@ -90,7 +107,8 @@ class RayCluster:
             address="local",
             num_cpus=max(2, hosts * devices_per_host),
             **({"num_gpus": None} if platform == "gpu" else {"num_gpus": 0}),
-            include_dashboard=False,
+            include_dashboard=dashboard,
+            **({"dashboard_host": "127.0.0.1"} if dashboard else {}),
             _node_ip_address="127.0.0.1",
             log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")),
             configure_logging=False,
@@ -103,7 +121,9 @@ class RayCluster:
                 raise RayClusterError(f"asked for {hosts}x{devices_per_host} GPUs but Ray finds {have} on this machine")
         else:
             spec = replace(spec, simulated=True)
-        cluster = cls(spec=spec, platform=platform, address=address, started_here=True)
+        url = ctx.dashboard_url or ""
+        cluster = cls(spec=spec, platform=platform, address=address, started_here=True,
+                      dashboard_url=f"http://{url}" if url and not url.startswith("http") else url)
         cluster.start_seconds = time.perf_counter() - t0
         return cluster
 
@@ -147,7 +167,7 @@ class RayCluster:
         if platform == "cpu":
             spec = replace(spec, simulated=True)
         node_ids = tuple(n["NodeID"] for n in sorted(nodes, key=lambda n: (n.get("NodeManagerAddress", ""), n["NodeID"])))
-        return cls(spec=spec, platform=platform, address=address, started_here=False, node_ids=node_ids)
+        return cls(spec=spec, platform=platform, address=address, started_here=False, node_ids=node_ids, dashboard_url=_dashboard_url())
 
     @property
     def hosts(self) -> int:

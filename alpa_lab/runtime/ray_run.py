@@ -13,13 +13,14 @@ the last state the driver fetched stays available to launch again from.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
 
-from alpa_lab.runtime.mesh_worker import INLINE_BYTES, Event, MeshWorker
+from alpa_lab.runtime.mesh_worker import EVENTS_KEPT, INLINE_BYTES, Event, MeshWorker
 from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
 
@@ -86,7 +87,7 @@ class RayRun:
     """per step: {"sent": {(worker, peer): bytes}, "received": {(worker, peer): bytes}, "seconds": ...}"""
     closed: bool = False
     _event_cursor: list[int] = field(default_factory=list, repr=False)
-    _events: list[Event] = field(default_factory=list, repr=False)
+    _events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT), repr=False)
     _invars: tuple[int, ...] = ()
     _outvars: tuple[int, ...] = ()
 
@@ -120,7 +121,8 @@ class RayRun:
             results.update(rep["results"])
             for peer, n in rep["sent"].items():
                 sent[(info.worker, peer)] = n
-        self.traffic.append({"sent": sent, "seconds": max(r["seconds"] for r in replies)})
+        self.traffic.append({"step": self.steps_done - 1, "sent": sent, "seconds": max(r["seconds"] for r in replies)})
+        del self.traffic[:-TRAFFIC_KEPT]
         if keep:
             self.last_state = self._assemble_state([r["state"] for r in replies])
             self.last_state_step = self.steps_done
@@ -191,26 +193,49 @@ class RayRun:
         return jax.tree_util.tree_unflatten(self.state_tree, leaves)
 
     def events(self) -> list[Event]:
-        """Every instruction the workers executed so far, in the driver's clock (readable mid-step)."""
+        """The workers' instructions so far (the last EVENTS_KEPT), in the driver's clock (readable mid-step)."""
+        self.poll_events()
+        return list(self._events)
+
+    def poll_events(self) -> list[Event]:
+        """The workers' instructions executed since the last poll, in the driver's clock (one message per worker)."""
         ray = _ray()
+        new: list[Event] = []
         if not self.closed:
             replies = ray.get([a.events.remote(c) for a, c in zip(self.actors, self._event_cursor)])
             for k, (cursor, evs) in enumerate(replies):
                 self._event_cursor[k] = cursor
                 off = self.workers[k].clock_offset
-                self._events.extend(Event(**{**e.__dict__, "start": e.start - off, "end": e.end - off}) for e in evs)
-        return list(self._events)
+                new.extend(Event(**{**e.__dict__, "start": e.start - off, "end": e.end - off}) for e in evs)
+        self._events.extend(new)
+        return new
+
+    def memory(self) -> list[Any]:
+        """Each worker's devices' memory (``MemoryRow``s): the backend's figures, or JAX's live buffers there."""
+        from alpa_lab.runtime.monitor import MemoryRow
+
+        self._check_open()
+        replies = self._gather([a.memory.remote() for a in self.actors], "reading memory")
+        out = []
+        for w, rows in zip(self.workers, replies):
+            for k, r in enumerate(rows):  # the worker's k-th local device is the k-th of its plan devices
+                out.append(MemoryRow(w.worker, **{**r, "device_id": w.device_ids[k] if k < len(w.device_ids) else -1}))
+        return out
 
     def bytes_per_step(self, step: int = -1) -> dict[str, dict[tuple[int, int], int]]:
         """Bytes of one step's traffic, (sender, receiver) -> bytes, as counted by the senders and by the receivers.
 
         Each side counts on its own: the senders report with the step, the receivers are asked here.
+        ``step`` counts from 0 (negative: from the last); the last TRAFFIC_KEPT steps are kept.
         """
         self._check_open()
-        k = step % len(self.traffic)
+        k = step + self.steps_done if step < 0 else step
+        entry = next((t for t in self.traffic if t["step"] == k), None)
+        if entry is None:
+            raise ValueError(f"no traffic kept for step {step} (steps done: {self.steps_done}; the last {TRAFFIC_KEPT} are kept)")
         per_worker = self._gather([a.received.remote(k) for a in self.actors], "reading the traffic")
         received = {(s, w.worker): n for w, got in zip(self.workers, per_worker) for s, n in got.items()}
-        return {"sent": dict(self.traffic[k]["sent"]), "received": received}
+        return {"sent": dict(entry["sent"]), "received": received}
 
     def predicted_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per step (sender worker, receiver worker) the plan's unit tasks say will move."""
@@ -248,6 +273,9 @@ class RayRun:
 
     _rest_tree: Any = field(default=None, repr=False)
 
+
+TRAFFIC_KEPT = 64
+"""steps whose traffic the driver keeps (``bytes_per_step``)"""
 
 KEEP_EVERY_STEP_BYTES = 256 * 2**20
 """States up to this size are copied back to the driver after every step by default."""
