@@ -110,24 +110,20 @@ class Profile:
         usable = [r for r in self.rows if r.measured > 0 and r.count > 0]
         if not usable:
             raise ProfileError("the profile has no measurements: run the plan for a few steps first (run.profile())")
-        typical = float(np.median([r.measured for r in usable]))
-        a, y = [], []
-        for r in usable:
-            p = r.parts
-            a.append([p.compute / r.measured, p.communication / r.measured, p.launches / r.measured, p.transfers / r.measured])
-            y.append(1.0)
+        a = [[r.parts.compute / r.measured, r.parts.communication / r.measured, r.parts.launches / r.measured,
+              r.parts.transfers / r.measured] for r in usable]
+        y = [1.0] * len(usable)
+        # the pull toward the cluster's own numbers, scaled per factor by how much the rows say about it
+        # (so it never outweighs data, and pins a factor no row exercises)
+        norms = np.linalg.norm(np.asarray(a), axis=0)
+        prior = (1.0, 1.0, base.task_overhead, base.transfer_overhead)
         w = prior_weight**0.5
-        prior = [
-            (0, 1.0, 1.0),
-            (1, 1.0, 1.0),
-            (2, 1.0 / typical, base.task_overhead / typical),
-            (3, 1.0 / typical, base.transfer_overhead / typical),
-        ]
-        for col, scale, target in prior:
+        for col, target in enumerate(prior):
             row = [0.0] * 4
+            scale = norms[col] if norms[col] > 0 else 1.0
             row[col] = w * scale
             a.append(row)
-            y.append(w * target)
+            y.append(w * scale * target)
         x, _ = nnls(np.asarray(a), np.asarray(y))
         p = [(r.parts.compute, r.parts.communication, r.parts.launches, r.parts.transfers) for r in usable]
         fitted = [float(np.dot(x, q)) for q in p]
