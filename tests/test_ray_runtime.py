@@ -310,3 +310,52 @@ def test_magic_runs_the_step_on_ray_and_the_workbench_launches(cluster, referenc
     assert step.ray_run is None
     with pytest.raises(Exception, match="--cluster or --ray"):
         ip.run_cell_magic("parallelize", "--ray local:2x4 --cluster local:2x4", cell)
+
+
+def test_runs_launched_from_the_workbench_with_live_dashboards(cluster):
+    """Launch, watch, stop, launch another plan on the same cluster: each run with its own dashboard (issue 10)."""
+    from alpa_lab.notebook.workbench import Workbench
+
+    ex, step = two_stage_step("mlp", cluster)
+    step.on_ray(cluster)
+    try:
+        wb = Workbench(step.current_plan, step)
+        run = wb.launch(ex.state, ex.batch, steps=100_000)
+        seen = set()
+        deadline = time.monotonic() + 120
+        while len({n for _, n in seen if n >= 2}) < 3 and time.monotonic() < deadline and run.running:
+            s = wb.dashboard.state  # the kernel answers meanwhile: this loop is it
+            seen.add((s.status, s.steps_done))
+            time.sleep(0.05)
+        assert {"launching", "running"} & {st for st, _ in seen} and len({n for _, n in seen}) >= 3, seen
+        wb.stop()
+        wb.wait(120)
+        assert run.status == "stopped", run.error
+        assert run.ray_run.closed  # the workers' devices are free for the next run
+        s = wb.dashboard.state
+        # bytes per link of the last step, counted by the senders, equal the plan's unit tasks
+        assert s.links and all(ln.predicted > 0 for ln in s.links)
+        assert {(ln.sender, ln.receiver): ln.measured for ln in s.links} == run.ray_run.predicted_bytes()
+        # every worker's devices, each with its mesh's eq. 5 figure
+        ids = {d for w in run.ray_run.workers for d in w.device_ids}
+        assert {m.device_id for m in s.memory} == ids and all(m.worker >= 0 and m.predicted > 0 for m in s.memory)
+        # the bars: each worker's RUNs of the window's steps are the schedule's RUNs of its stages
+        last = {e.step for e in run.monitor.snapshot().events}
+        assert len(last) == run.monitor.window_steps
+        runs = [b for b in s.bars if b.kind == "RUN"]
+        assert len(runs) == len(last) * 2 * 2 * MICROBATCHES  # steps x stages x (forward, backward) x micro-batches
+        assert any(b.kind == "TRANSFER" for b in s.bars) and any(r.kind == "TRANSFER" for r in s.costs)
+        # another plan of the same step, launched from the stopped run's state, on the same cluster
+        assert wb.set_schedule("gpipe")
+        run2 = wb.launch(run.state, ex.batch, steps=3)
+        wb.wait(120)
+        assert run2.status == "finished", run2.error
+        assert len(wb.dashboards) == 2 and wb.dashboards[0].state.status == "stopped"
+        assert wb.dashboards[1].state.steps_done == 3 and np.isfinite(wb.dashboards[1].state.loss)
+        # a run that fails says why in its dashboard, and keeps the plan and the last state
+        bad = jax.tree_util.tree_map(lambda x: x[:3], ex.batch)
+        run3 = wb.launch(run2.state, bad, steps=2)
+        wb.wait(120)
+        assert run3.status == "failed" and run3.state is run2.state and "failed" in wb.dashboards[2].header.value
+    finally:
+        step.on_ray(None)
