@@ -235,6 +235,8 @@ class Dashboard(W.VBox):
         self.run = run
         self.interval = interval
         self.updates = 0
+        self.busy_seconds = 0.0
+        """time spent redrawing (what the dashboard takes from the run, at most)"""
         self.latencies: deque[float] = deque(maxlen=1000)
         """seconds from the newest event's end to the redraw that showed it (for the benchmark)"""
         self.state: DashboardState | None = None
@@ -313,6 +315,7 @@ class Dashboard(W.VBox):
 
     def update(self) -> DashboardState:
         """Redraw from the run's monitor now."""
+        t0 = time.perf_counter()
         snap = self.run.monitor.snapshot()
         s = dashboard_state(self.run, snap)
         self.header.value = header_html(s)
@@ -336,6 +339,7 @@ class Dashboard(W.VBox):
         self.updates += 1
         if self.on_update is not None:
             self.on_update(s)
+        self.busy_seconds += time.perf_counter() - t0
         return s
 
     # ----- export -----------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ from alpa_lab.passes.schedule import SCHEDULES
 
 __all__ = ["Workbench"]
 
+TIMELINE_EVERY = 2.0
+"""seconds between two redraws of the Timeline tab's figures while a run goes (the dashboard redraws faster)"""
+
 _RUNTIME_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
 
 
@@ -82,6 +85,7 @@ class Workbench(W.VBox):
         self.measured: tuple[views.Bar, ...] = ()
         self.measured_steps: list[float] = []
         self.result: Any = None
+        self._timeline_drawn = 0.0
         self.refresh_seconds = 0.0
 
         self.title = W.HTML()
@@ -172,6 +176,11 @@ class Workbench(W.VBox):
         ])
         for i, name in enumerate(("Overview", "Sharding", "Timeline", "Traffic", "Strategies", "Changes", "Dashboard")):
             self.tabs.set_title(i, name)
+        # graph: the program's ops (or module groups) in stage bands; a click on a node selects its op
+        self.graph_box = W.VBox()
+        self._graph_widget: go.FigureWidget | None = None
+        self.tabs.children = (*self.tabs.children, self.graph_box)
+        self.tabs.set_title(len(self.tabs.children) - 1, "Graph")
         self.children = [self.title, self.status, self.tabs]
         self.refresh()
 
@@ -208,6 +217,7 @@ class Workbench(W.VBox):
         self._draw_traffic()
         self._rows = views.strategy_rows(plan)
         self._fill_ops()
+        self._draw_graph()
         self.changes_html.value = "<br>".join(f"<pre>{html.escape(c)}</pre>" for c in reversed(self.changes)) or "no edits yet"
         self.refresh_seconds = time.perf_counter() - t0
 
@@ -325,6 +335,44 @@ class Workbench(W.VBox):
         self.explain_html.value = f"<pre>{html.escape(str(ex))}</pre>"
         if op in self._tensors:
             self.tensor_select.value = op
+        self._ring(op)
+
+    def _draw_graph(self) -> None:
+        self._graph = views.program_graph(self.plan)
+        fig = go.FigureWidget(render.graph_figure(self._graph, selected=self.op_select.value))
+        for trace in fig.data:
+            if trace.customdata is not None:  # the nodes: a click selects the op
+                trace.on_click(self._on_graph_click)
+        self._graph_widget = fig
+        self.graph_box.children = [fig]
+
+    def _on_graph_click(self, trace: Any, points: Any, _state: Any) -> None:
+        if points.point_inds:
+            self._guard(lambda: self.select_op(trace.customdata[points.point_inds[0]]))
+
+    def _ring(self, op: str | None) -> None:
+        """Mark ``op``'s node in the graph (the figure's "selected" trace)."""
+        fig = self._graph_widget
+        if fig is None or not hasattr(self, "_graph"):
+            return
+        ring = next(t for t in fig.data if t.name == "selected")
+        node = next((n for n in self._graph.nodes if op in n.ops), None)
+        with fig.batch_update():
+            ring.x, ring.y = ((node.x,), (node.y,)) if node is not None else ((), ())
+
+    def select_op(self, name: str) -> None:
+        """Show op ``name`` in the Strategies tab (its strategies, its explanation) and its output's
+        heatmap in the Sharding tab: what a click on its node in the graph does."""
+        if name not in {r.name for r in self._rows}:
+            raise KeyError(f"no op named {name!r} in this plan{views.did_you_mean(name, [r.name for r in self._rows])}")
+        if name not in [v for _, v in self.op_select.options]:
+            self.op_filter.value = ""  # the filter hides it
+            if name not in [v for _, v in self.op_select.options]:
+                self.op_filter.value = name
+        self.op_select.value = name
+        tensor = next((t for t in (name, f"{name}:0") if t in self._tensors), None)
+        if tensor is not None:
+            self.tensor_select.value = tensor
 
     # ----- edits -----------------------------------------------------------------------
     def _guard(self, action: Callable[[], Any]) -> bool:
@@ -478,7 +526,10 @@ class Workbench(W.VBox):
             self.status.value = f'<span style="color:#c00">run failed: {html.escape(run.error)} (plan and last state kept)</span>'
         elif steps:
             self.status.value = f"{run.status}: step {len(steps)}/{run.steps}, {steps[-1].seconds * 1e3:.1f} ms"
-        self._draw_timeline()
+        now = time.monotonic()
+        if not run.running or now - self._timeline_drawn > TIMELINE_EVERY:  # plotly figures cost: not on every redraw
+            self._timeline_drawn = now
+            self._draw_timeline()
 
     def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> Any:
         """``launch`` with the step's arguments as given (``wb.run(state, batch, steps=3)``); ``block`` waits for it.
