@@ -1,0 +1,94 @@
+"""The live dashboard in a real JupyterLab, on a local Ray of mesh workers started by the kernel (issue 10).
+
+A notebook plans a tiny MLP with ``%%parallelize --ray local:2x2`` and launches a long run
+from the workbench; the browser must see the dashboard change several times while the run
+goes, the kernel must answer another request meanwhile, and the dashboard's Stop button must
+end the run (the step count stops growing). Uses the JupyterLab server and Chromium of
+``test_labextension`` (skips without Chromium, except under CI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+import test_labextension as labx
+from test_labextension import RUN_TIMEOUT_MS, _cells, _describe, _wait_for_notebook
+
+lab, browser, page = labx.lab, labx.browser, labx.page  # its JupyterLab server and Chromium, as fixtures here
+
+CELLS = [
+    "%load_ext alpa_lab",
+    "from alpa_lab.models import tiny_example\nex = tiny_example('mlp')\nstate, batch = ex.state, ex.batch",
+    "%%parallelize --ray local:2x2 --microbatches 4 --args state,batch --name plan --workbench wb\n"
+    "def train_step(state, batch):\n    return ex.train_step(state, batch)",
+    "run = wb.launch(state, batch, steps=100_000)\nwb.dashboard",
+]
+
+EXECUTE_JS = """async (code) => {
+    const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+    const future = kernel.requestExecute({code, store_history: false});
+    let result = null, error = null;
+    future.onIOPub = (msg) => {
+        if (msg.header.msg_type === 'execute_result') result = msg.content.data['text/plain'];
+        if (msg.header.msg_type === 'error') error = msg.content.evalue;
+    };
+    const t0 = performance.now();
+    await future.done;
+    return {result, error, ms: performance.now() - t0};
+}"""
+
+
+def _notebook() -> dict:
+    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": s} for s in CELLS]
+    kernelspec = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    return {"cells": cells, "metadata": {"kernelspec": kernelspec}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def test_dashboard_updates_live_the_kernel_stays_free_and_stop_stops(page, lab):
+    pg = page
+    (lab.root / "live.ipynb").write_text(json.dumps(_notebook()))
+    pg.evaluate("() => window.jupyterapp.commands.execute('docmanager:open', {path: 'live.ipynb'}).then(() => true)")
+    _wait_for_notebook(pg, "live.ipynb")
+    pg.wait_for_function(
+        "() => { const p = window.jupyterapp.shell.currentWidget; const k = p.sessionContext.session "
+        "&& p.sessionContext.session.kernel; return k && k.status === 'idle'; }"
+    )
+    try:
+        pg.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        out = pg.locator(".jp-Notebook .jp-Cell").nth(len(CELLS) - 1).locator(".jp-OutputArea")
+        header = out.locator(".widget-html", has_text="samples/s").first
+        try:
+            header.wait_for(state="visible", timeout=RUN_TIMEOUT_MS)
+        except Exception as exc:  # a timeout: say what the cells showed
+            pytest.fail(f"no dashboard within {RUN_TIMEOUT_MS / 1000:.0f} s ({exc}):\n{_describe(_cells(pg))}\n{lab.log_tail()}")
+        # several distinct states seen in the browser while the run goes
+        seen: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            text = header.inner_text()
+            if not seen or text != seen[-1]:
+                seen.append(text)
+            if len({m.group(1) for s in seen if "running" in s and (m := re.search(r"step (\d+)/100000", s))}) >= 3:
+                break
+            pg.wait_for_timeout(100)
+        running = [s for s in seen if "running" in s]
+        steps = {re.search(r"step (\d+)/", s).group(1) for s in running}
+        assert len(steps) >= 3, f"the dashboard did not move while running: {seen}\n{_describe(_cells(pg))}"
+        # the kernel answers meanwhile
+        reply = pg.evaluate(EXECUTE_JS, "(run.status, 6 * 7)")
+        assert reply["error"] is None and reply["result"] == "('running', 42)", reply
+        # the dashboard's Stop button stops the run after the step in progress
+        out.locator("button", has_text="Stop").first.click()
+        pg.wait_for_function("(el) => el.innerText.includes('stopped')", arg=header.element_handle(), timeout=60_000)
+        done = pg.evaluate(EXECUTE_JS, "run.wait(60); (run.status, run.monitor.steps_done)")
+        assert done["error"] is None and done["result"].startswith("('stopped'"), done
+        final = int(re.search(r"(\d+)\)", done["result"]).group(1))
+        pg.wait_for_timeout(1500)
+        later = pg.evaluate(EXECUTE_JS, "run.monitor.steps_done")
+        assert int(later["result"]) == final and 3 <= final < 100_000
+    finally:
+        pg.evaluate(EXECUTE_JS, "wb.step.ray_cluster.shutdown() if 'wb' in dir() and wb.step.ray_cluster else None")
