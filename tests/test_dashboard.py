@@ -249,3 +249,28 @@ def test_a_thousand_steps_keep_the_kernel_memory_bounded():
     assert end - mid < 2**20, f"{(end - mid) / 2**10:.0f} KiB more after 700 more steps"
     assert dashboard_state(run).steps_done == 1000
     assert CostParts(1, 2, 3) + CostParts(1, 1, 1) == CostParts(2, 3, 4)
+
+
+def test_a_saved_notebook_keeps_the_last_dashboard_state(mlp):
+    """Shown in a notebook, the dashboard's output is replaced with its final static state when the run ends."""
+    from IPython.testing.globalipapp import start_ipython
+
+    ex, step, plan = mlp
+    ip = start_ipython()
+    published = []
+    real = ip.display_pub.publish
+    ip.display_pub.publish = lambda data, metadata=None, **kw: published.append((data, kw))  # records what a kernel would send
+    try:
+        run = step.train(ex.state, ex.batch, steps=4, start=False)
+        dash = Dashboard(run)
+        dash._ipython_display_()
+        run.start()
+        run.wait(60)
+        dash.wait(60)
+    finally:
+        ip.display_pub.publish = real
+    (first, shown), (last, updated) = published[0], published[-1]
+    assert "application/vnd.jupyter.widget-view+json" in first and not shown.get("update")
+    assert updated.get("update") and updated["transient"]["display_id"] == shown["transient"]["display_id"]
+    assert "finished" in last["text/html"] and "step 4/4" in last["text/html"] and "<script" not in last["text/html"]
+    assert "finished" not in first["text/html"]
