@@ -27,6 +27,10 @@ from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, make_plan
 from alpa_lab.runtime.apply import CompiledPlan, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
 
+COST_MODELS = ("analytic", "profile")
+"""``analytic``: FLOPs, bytes and link speeds (``ClusterSpec``); ``profile``: each planned stage compiled and
+timed on this process's devices (``runtime.stage_profile``, Alpa's profiling model), cached on disk."""
+
 DEFAULT_LAYERS = 8
 """Layers the automatic layering cuts a step into when pipelining (``layers=`` overrides)."""
 
@@ -83,6 +87,7 @@ class ParallelizedStep:
         schedule: str = "1f1b",
         layers: int | None = None,
         max_stages: int | None = None,
+        cost_model: str = "analytic",
     ):
         if method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
@@ -99,6 +104,14 @@ class ParallelizedStep:
                 "mesh_shape and memory_budget apply to single-mesh plans; a pipelined step chooses a logical "
                 "mesh per stage and checks memory per stage (eq. 5): drop them or drop microbatches"
             )
+        if cost_model not in COST_MODELS:
+            raise ValueError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
+        if cost_model == "profile" and microbatches is None:
+            raise ValueError(
+                "cost_model='profile' times pipeline stages on the devices; a single-mesh plan has no stages: "
+                "plan with microbatches= or use the analytic model (calibrate it with ClusterSpec.calibrate)"
+            )
+        self.cost_model = cost_model
         self.microbatches = microbatches
         self.schedule = schedule
         self.layers = layers
@@ -158,6 +171,7 @@ class ParallelizedStep:
             max_stages=self.max_stages,
             problem=self._problems.get(graph.fingerprint),
             progress=progress,
+            stage_timer=self._stage_timer(split),
         )
         self._problems[graph.fingerprint] = problem
         plan = PipelinePlan(
@@ -176,6 +190,14 @@ class ParallelizedStep:
         if pins:
             plan = plan._replan(plan._current_stages(), pins, False)
         return plan
+
+    def _stage_timer(self, split: tuple[bool, ...]) -> Any:
+        """The profiling cost model's stage timer (``cost_model="profile"``), or None for the analytic model."""
+        if self.cost_model != "profile":
+            return None
+        from alpa_lab.runtime.stage_profile import stage_timer
+
+        return stage_timer(split)
 
     def plan(self, *args: Any, pins: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None) -> Plan:
         """Trace with ``args`` (arrays or ShapeDtypeStructs) and plan; the plan becomes current."""
@@ -445,12 +467,15 @@ def parallelize(
     schedule: str = "1f1b",
     layers: int | None = None,
     max_stages: int | None = None,
+    cost_model: str = "analytic",
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
     """Wrap a training step for planning and sharded execution (usable as a decorator).
 
     With ``microbatches`` the step is pipelined: cut into ``layers`` layers (default 8, or
     the hand-placed ``mark_stage_boundary`` cuts), sliced into stages on sub-meshes by the
     inter-op DP, each stage sharded by the intra-op ILP, run with ``schedule``.
+    ``cost_model="profile"`` times the planned stages on this process's devices instead of
+    pricing them (Alpa's profiling cost model; ``runtime.stage_profile``).
     """
 
     def wrap(f: Callable) -> ParallelizedStep:
@@ -464,6 +489,7 @@ def parallelize(
             schedule=schedule,
             layers=layers,
             max_stages=max_stages,
+            cost_model=cost_model,
         )
 
     return wrap(fn) if fn is not None else wrap

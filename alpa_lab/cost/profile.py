@@ -199,13 +199,17 @@ class Profile:
 
 
 def rows_from(parts: Mapping[tuple[int, str, str], CostParts], measured: Mapping[tuple[int, str, str], Sequence[float]],
-              cluster: ClusterSpec) -> tuple[ProfileRow, ...]:
-    """One row per measured (stage, kind, phase) that has predicted parts: the median of its measurements."""
+              cluster: ClusterSpec, predicted: Mapping[tuple[int, str, str], float] | None = None) -> tuple[ProfileRow, ...]:
+    """One row per measured (stage, kind, phase) that has predicted parts: the median of its measurements.
+
+    ``predicted``: the plan's own figure where it is not the analytic model's (a profiled plan's stage times).
+    """
     out = []
     for key in sorted(measured):
         values = list(measured[key])
         if key not in parts or not values:
             continue
         p = parts[key]
-        out.append(ProfileRow(key[0], key[1], key[2], p, p.seconds(cluster), float(np.median(values)), len(values)))
+        guess = (predicted or {}).get(key, p.seconds(cluster))
+        out.append(ProfileRow(key[0], key[1], key[2], p, guess, float(np.median(values)), len(values)))
     return tuple(out)

@@ -21,6 +21,7 @@ would plug in at ``layer_cost``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
 from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, solve_strategy_graph
 from alpa_lab.passes.methods import method_restrictions, solve_method
-from alpa_lab.passes.schedule import Schedule, Timeline, check, make_schedule, simulate
+from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
 from alpa_lab.plan import Plan, StageResult, make_plan, memory_per_mesh
@@ -85,6 +86,9 @@ class PipelineProblem:
     """layers [start, end) -> that stage's program (cut once; plans, runtime and views share it)."""
     stage_graphs: dict[tuple, StrategyGraph] = field(default_factory=dict)
     """(layers, logical mesh, devices) -> its intra-op problem: a pin re-solves only the ILP."""
+    stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
+    """the profiling cost model (``runtime.stage_profile``): (problem, stages, schedule) -> measured
+    seconds per (stage, phase); when set, planned stages are timed on the devices, not priced"""
 
     def piece(self, layers: tuple[int, int]) -> Subgraph:
         """The program of the stage holding ``layers`` [start, end)."""
@@ -300,6 +304,8 @@ def plan_stages(
         results.append(
             StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i], wt)
         )
+    if problem.stage_timer is not None:
+        results = _measured(problem.stage_timer(problem, results, sched), results, sched.split_backward)
     split = sched.split_backward
     timeline = simulate(
         sched,
@@ -348,6 +354,23 @@ def boundary_parts(problem: PipelineProblem, stages: Sequence[StageResult]) -> l
     return out
 
 
+def _measured(times: Mapping[tuple[int, str], float], stages: Sequence[StageResult], split: bool) -> list[StageResult]:
+    """Stage results with the profiling cost model's times in place of the analytic ones."""
+    out = []
+    for st in stages:
+        i = st.index
+        if split:
+            w = times.get((i, BACKWARD_WEIGHT), 0.0)
+            backward = times.get((i, BACKWARD_INPUT), 0.0) + w
+        else:
+            w, backward = 0.0, times.get((i, BACKWARD), 0.0)
+        out.append(dataclasses.replace(
+            st, forward_time=times.get((i, FORWARD), 0.0), backward_time=backward, apply_time=times.get((i, APPLY), 0.0),
+            weight_gradient_time=w,
+        ))
+    return out
+
+
 def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> float:
     """The slowest boundary's activation (or gradient) transfer between adjacent stages."""
     return max((p.seconds(problem.cluster) for p in boundary_parts(problem, stages)), default=0.0)
@@ -364,6 +387,7 @@ def plan_pipeline(
     problem: PipelineProblem | None = None,
     progress: Callable[[str], None] | None = None,
     logical_meshes: str = "all",
+    stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -374,6 +398,8 @@ def plan_pipeline(
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
     problem = problem or PipelineProblem.build(graph, cluster)
+    if stage_timer is not None:
+        problem.stage_timer = stage_timer
     N, M = cluster.hosts, cluster.devices_per_host
     memory = cluster.device_memory
 

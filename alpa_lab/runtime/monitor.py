@@ -189,8 +189,15 @@ def profile(plan: Any, monitor: RunMonitor) -> Profile:
     cluster = ClusterSpec(**plan.cluster)
     measured: dict[tuple[int, str, str], Sequence[float]] = dict(snap.durations)
     collectives: dict[str, float] = {}
+    figures: dict[tuple[int, str, str], float] = {}
     if isinstance(plan, PipelinePlan):
         parts = pipeline_parts(plan, snap.transfer_bytes)
+        for st in plan.stages:  # the plan's own figures (measured ones, under the profiling cost model)
+            figures[(st.index, "RUN", "forward")] = st.forward_time
+            figures[(st.index, "RUN", "backward")] = st.backward_time
+            figures[(st.index, "RUN", "backward_weight")] = st.weight_gradient_time
+            figures[(st.index, "RUN", "backward_input")] = st.backward_time - st.weight_gradient_time
+            figures[(st.index, "UPDATE", "apply")] = st.apply_time
         for st in plan.stages:
             for o in st.plan.ops:
                 for c in o.collectives:
@@ -203,7 +210,7 @@ def profile(plan: Any, monitor: RunMonitor) -> Profile:
         for o in plan.ops:
             for c in o.collectives:
                 collectives[c.kind] = collectives.get(c.kind, 0.0) + c.cost
-    rows = rows_from(parts, measured, cluster)
+    rows = rows_from(parts, measured, cluster, figures)
     if not rows:
         raise ProfileError(
             "no measured span matches the plan's stages (the first step compiles and is left out): run two steps or more"
