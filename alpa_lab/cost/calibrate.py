@@ -17,7 +17,8 @@ them at once* (so devices that share cores are measured sharing them), and retur
   two sizes, solved for the ring formula's alpha and beta (``cost.cluster``).
 
 On one process all devices share one host, so the inter-host link is measured as the same
-as the intra-host one; a Ray cluster's host-to-host transfer is not measured here.
+as the intra-host one; ``transfer_seconds`` fits a Ray cluster's host-to-host transfer
+(``RayCluster.calibrate`` runs both on its mesh workers).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from alpa_lab.cost.cluster import ClusterError, ClusterSpec
 
-__all__ = ["Calibration", "calibrate", "calibration_path", "load_calibration"]
+__all__ = ["Calibration", "calibrate", "calibration_path", "fit_transfer", "load_calibration"]
 
 FORMAT = "alpa_lab.calibration/1"
 
@@ -52,6 +53,11 @@ class Calibration:
     intra_host_bandwidth: float
     intra_host_latency: float
     seconds: float = 0.0
+    inter_host_bandwidth: float | None = None
+    """host-to-host transfer (a Ray cluster's, ``RayCluster.calibrate``); None: measured in one process, as intra-host"""
+    inter_host_latency: float | None = None
+    transfer_overhead: float | None = None
+    """the fixed cost of one cross-mesh message between mesh workers (the transfer's alpha)"""
 
     def apply(self, spec: ClusterSpec) -> ClusterSpec:
         """``spec`` with the measured numbers in place of its own (hosts and memory stay)."""
@@ -63,8 +69,9 @@ class Calibration:
             task_overhead=self.task_overhead,
             intra_host_bandwidth=self.intra_host_bandwidth,
             intra_host_latency=self.intra_host_latency,
-            inter_host_bandwidth=self.intra_host_bandwidth,
-            inter_host_latency=self.intra_host_latency,
+            inter_host_bandwidth=self.inter_host_bandwidth or self.intra_host_bandwidth,
+            inter_host_latency=self.intra_host_latency if self.inter_host_latency is None else self.inter_host_latency,
+            transfer_overhead=spec.transfer_overhead if self.transfer_overhead is None else self.transfer_overhead,
             name=f"{spec.name} (calibrated)" if "calibrated" not in spec.name else spec.name,
         )
 
@@ -209,3 +216,10 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
     graph = trace(train_step, params, xs[0])
     work = sum(max(op.flops / flops, op.bytes_accessed / bandwidth) for op in graph.ops)
     return max(seconds - work, 0.0) / max(len(graph.ops), 1)
+
+
+def fit_transfer(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(latency, bandwidth) of a link from transfer times at several sizes: the least-squares line t = alpha + n / bw."""
+    slope, intercept = np.polyfit(np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    bandwidth = 1.0 / slope if slope > 0 else max(sizes) / max(min(seconds), 1e-9)
+    return max(float(intercept), 0.0), float(bandwidth)

@@ -133,6 +133,33 @@ class MeshWorker:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=self.rank)
 
+    # ----- calibration (RayCluster.calibrate) ----------------------------------------------
+    def calibrate(self, repeats: int = 7) -> dict[str, Any]:
+        """The cost model's microbenchmarks on this worker's devices (``cost.calibrate``), as a dict."""
+        from alpa_lab.cost.calibrate import calibrate
+
+        return dict(calibrate(repeats=repeats).__dict__)
+
+    def offer(self, nbytes: int) -> list[Any]:
+        """A ``nbytes`` array put in this worker's object store; its ref comes back in a list (not resolved)."""
+        import ray
+
+        self._offered = ray.put(np.ones(max(nbytes // 4, 1), dtype=np.float32))
+        return [self._offered]
+
+    def pull(self, refs: list[Any]) -> float:
+        """Seconds to fetch another worker's offered array into this process (what a cross-mesh region costs).
+
+        A copy, as the receiver's tiles are: on one machine Ray's ``get`` alone maps shared memory and moves nothing.
+        """
+        import ray
+
+        t0 = time.perf_counter()
+        x = np.array(ray.get(refs[0]), copy=True)
+        seconds = time.perf_counter() - t0
+        del x
+        return seconds
+
     # ----- set-up, once -------------------------------------------------------------------
     def load(self, program: WorkerProgram, peers: dict[tuple[int, int], tuple[int, Any]], state: dict[int, np.ndarray]) -> dict[str, float]:
         """Deserialise the program's unit tasks onto this worker's devices and take the state.

@@ -10,6 +10,7 @@ or the CPU count given). ``spec`` is what to plan for, so a plan matches the clu
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +30,10 @@ def _ray() -> Any:
     except ImportError as e:  # pragma: no cover - ray is a dependency; a broken install still gets a clear word
         raise RayClusterError("the Ray runtime needs Ray: pip install 'ray[default]>=2.9'") from e
     return ray
+
+
+TRANSFER_SIZES = (64 * 1024, 1 << 20, 8 << 20, 32 << 20)
+"""bytes of the host-to-host transfers ``RayCluster.calibrate`` times"""
 
 
 def _dashboard_url() -> str:
@@ -176,6 +181,64 @@ class RayCluster:
     @property
     def devices_per_host(self) -> int:
         return self.spec.devices_per_host
+
+    def calibrate(self, *, save: bool = True, repeats: int = 7, sizes: tuple[int, ...] = TRANSFER_SIZES) -> ClusterSpec:
+        """Measure this cluster: the spec to plan with, its numbers measured on the cluster's own workers.
+
+        A mesh worker on host 0 runs the cost model's microbenchmarks on all its devices at once
+        (``cost.calibrate``); with two hosts or more, a worker on host 1 fetches arrays of
+        ``sizes`` bytes that host 0's worker put in its object store (the path a cross-mesh region
+        takes), fitted to a line for the host-to-host latency and bandwidth; a cross-mesh message's
+        fixed cost (``transfer_overhead``) is that latency plus an actor call's round trip.
+        ``save``: a cluster started here keeps it for ``ClusterSpec.local(hosts, devices_per_host)``.
+        """
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from alpa_lab.cost.calibrate import Calibration, calibration_path, fit_transfer
+        from alpa_lab.runtime.mesh_worker import MeshWorker
+
+        ray = _ray()
+        if self._closed or not ray.is_initialized():
+            raise RayClusterError("the Ray cluster was shut down; start one with RayCluster.local(...) or connect(...)")
+        actor_cls = ray.remote(MeshWorker)
+        workers = []
+        for h in range(min(2, self.hosts)):
+            opts: dict[str, Any] = {"num_cpus": 1}
+            if self.platform == "cpu":
+                flags = f"--xla_force_host_platform_device_count={self.devices_per_host}"
+                opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
+            else:
+                opts["num_gpus"] = self.devices_per_host
+            if self.node_ids:
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_ids[h], soft=False)
+            workers.append(actor_cls.options(**opts).remote(h, h, self.devices_per_host, self.platform))
+        t0 = time.perf_counter()
+        try:
+            measured = Calibration(**ray.get(workers[0].calibrate.remote(repeats), timeout=600))
+            measured = replace(measured, num_devices=self.hosts * self.devices_per_host)
+            if len(workers) == 2:
+                medians = []
+                for size in sizes:
+                    times = []
+                    for _ in range(repeats):
+                        refs = ray.get(workers[0].offer.remote(size))
+                        times.append(ray.get(workers[1].pull.remote(refs)))
+                    medians.append(statistics.median(times))
+                latency, bandwidth = fit_transfer(list(sizes), medians)
+                pings = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    ray.get(workers[1].clock.remote())
+                    pings.append(time.perf_counter() - t)
+                measured = replace(measured, inter_host_bandwidth=bandwidth, inter_host_latency=latency,
+                                   transfer_overhead=latency + statistics.median(pings))
+            measured = replace(measured, seconds=time.perf_counter() - t0 + measured.seconds)
+        finally:
+            for w in workers:
+                ray.kill(w, no_restart=True)
+        if save and self.started_here:
+            measured.save(calibration_path(measured.platform, self.hosts * self.devices_per_host))
+        return measured.apply(self.spec)
 
     def shutdown(self) -> None:
         """Stop Ray if this object started it; a connected cluster is only disconnected from."""
