@@ -61,6 +61,7 @@ class ParallelizeMagics(Magics):
     @argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
     @argument("--method", default="alpa", help=f"planning method: {', '.join(al.METHODS)}")
     @argument("--max-stages", type=int, default=None, help="at most this many pipeline stages")
+    @argument("--cost-model", default="analytic", help="analytic (FLOPs, bytes, links) or profile (stages timed on the devices)")
     @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
     @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
     @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
@@ -120,6 +121,7 @@ class ParallelizeMagics(Magics):
                 schedule=opts.schedule,
                 layers=opts.layers,
                 max_stages=opts.max_stages,
+                cost_model=opts.cost_model,
             )
         except ValueError as err:  # bad option combinations: say which, and keep the old binding
             if previous is _UNSET:
