@@ -11,7 +11,7 @@ stage, so every view takes both kinds of plan.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -597,3 +597,436 @@ def traffic(plan: PipelinePlan) -> Traffic:
         {k: tuple(v) for k, v in cells.items()},
         M,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Device grid labels (the overview's cluster picture)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceBlock:
+    """A rectangle of devices with the same label: written once, not once per device."""
+
+    label: str
+    """"stage 2", "stages 0,2" (interleaved) or "idle"."""
+    hosts: tuple[int, int]
+    """first and last host (row), inclusive."""
+    devices: tuple[int, int]
+    """first and last local device (column), inclusive."""
+
+
+def device_blocks(ov: Overview) -> tuple[DeviceBlock, ...]:
+    """The device grid cut into same-label rectangles: runs along each host, stacked when
+    consecutive hosts have the same run at the same columns (a mesh spanning hosts)."""
+    open_: dict[tuple[str, int, int], DeviceBlock] = {}
+    done: list[DeviceBlock] = []
+    for h, labels in enumerate(ov.device_labels):
+        runs = []
+        for d, label in enumerate(labels):
+            if runs and runs[-1][0] == label and runs[-1][2] == d - 1:
+                runs[-1][2] = d
+            else:
+                runs.append([label, d, d])
+        still: dict[tuple[str, int, int], DeviceBlock] = {}
+        for label, a, b in runs:
+            key = (label, a, b)
+            prev = open_.pop(key, None)
+            still[key] = DeviceBlock(label, (prev.hosts[0] if prev else h, h), (a, b))
+        done.extend(open_.values())  # runs that did not continue on this host end here
+        open_ = still
+    done.extend(open_.values())
+    return tuple(sorted(done, key=lambda b: (b.hosts[0], b.devices[0])))
+
+
+# ---------------------------------------------------------------------------------------
+# Program graph: ops (or groups of ops) as nodes, data dependencies as edges
+# ---------------------------------------------------------------------------------------
+
+
+def sharding_key(spec: str) -> str:
+    """The colour key of a layout: which mesh axes split the tensor, not on which of its dims.
+
+    ``"S0R"`` and ``"RS0R"`` are both ``"S0"`` (split over mesh axis 0), ``"S0RS1"`` is
+    ``"S0+S1"``, ``"RS01"`` is ``"S01"``, a replicated tensor (or a scalar) is ``"R"``: a
+    handful of colours for a model, where every spec string would need dozens.
+    """
+    try:
+        dims = ShardingSpec.parse(spec).dims
+    except ValueError:
+        return spec
+    split = ["S" + "".join(map(str, axes)) for axes in dims if axes]
+    return "+".join(split) if split else "R"
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One op of a stage plan, or a group of ops (one module's ops of one layer and phase)."""
+
+    id: str
+    """the op's name, or ``s<stage>/L<layer>/<phase>/<module>`` for a group."""
+    ops: tuple[str, ...]
+    """the ops it stands for, in program order."""
+    main: str
+    """the op a click selects and the node's spec and strategy are of: the op itself, or the group's
+    costliest op in the group's colour (its ``key``)."""
+    stage: int
+    layer: int | None
+    phase: str
+    """"forward", "backward", "apply" (pipeline plans), from the op's label otherwise ("" if it has none)."""
+    module: str
+    """the model module it runs in (``TransformerLM/Block_0/Attention_0``), or ""."""
+    primitive: str
+    """the primitive of ``main``."""
+    spec: str
+    """the output sharding spec of ``main``."""
+    strategy: str
+    """the strategy of ``main``."""
+    key: str
+    """the colour key (``sharding_key``): for a group, the layout most of its seconds (then ops) run in."""
+    compute: float
+    """seconds of compute, summed over its ops (per execution of its stage)."""
+    communication: float
+    """seconds of its ops' own collectives (reshardings between ops are on the edges)."""
+    resharding: float
+    """seconds of the plan's reshardings no drawn edge shows: between its own ops (a group), of
+    the step's arguments into the layouts its ops read, and of its results into the layouts the
+    step returns them in."""
+    x: int
+    """column: the longest path to it from the program's first ops."""
+    y: int
+    """row, counted down from the top; each stage has its own band of rows."""
+
+    @property
+    def title(self) -> str:
+        if len(self.ops) == 1:
+            return self.ops[0]
+        where = self.module or "(ops outside any module)"
+        layer = "" if self.layer is None else f" layer {self.layer}"
+        return f"{where} {self.phase or 'ops'}{layer}, {len(self.ops)} ops"
+
+
+@dataclass(frozen=True)
+class GraphEdge:
+    """Data flowing from node ``src`` to node ``dst`` (merged over the tensors between them)."""
+
+    src: str
+    dst: str
+    kind: str
+    """"data"; "reshard" (a tensor changes layout on its mesh); "cross_mesh" (it moves to another stage's mesh)."""
+    tensors: tuple[str, ...]
+    """the tensors it carries, ``op:output``."""
+    resharding: float
+    """seconds of the plan's reshardings on this edge (``Plan.reshardings``), 0 when none."""
+    nbytes: int
+    """cross-mesh bytes per step (``views.traffic``), 0 for an edge inside a mesh."""
+    seconds: float
+    """predicted cross-mesh seconds per step, 0 for an edge inside a mesh."""
+    phase: str = ""
+    """for cross-mesh edges, the phase the tensors move in; ``state`` is a new state leaf read next step."""
+
+    @property
+    def cost(self) -> float:
+        """seconds per step: what the edge's width shows."""
+        return self.resharding + self.seconds
+
+
+@dataclass(frozen=True)
+class StageBand:
+    """Rows ``[top, bottom]`` of the graph that hold a stage's nodes (drawn as a background band)."""
+
+    stage: int
+    top: int
+    bottom: int
+    label: str
+
+
+@dataclass(frozen=True)
+class ProgramGraph:
+    nodes: tuple[GraphNode, ...]
+    edges: tuple[GraphEdge, ...]
+    bands: tuple[StageBand, ...]
+    num_ops: int
+    grouped: bool
+    """nodes stand for groups of ops (too many ops to draw one by one)."""
+    module_depth: int | None = None
+    """how many levels of the module path name a group (None: not grouped)."""
+
+    def node_of(self, op: str) -> GraphNode:
+        """The node that shows ``op``."""
+        for n in self.nodes:
+            if op in n.ops:
+                return n
+        raise KeyError(f"no op named {op!r} in this graph{did_you_mean(op, [o for n in self.nodes for o in n.ops])}")
+
+
+@dataclass(frozen=True)
+class _OpRecord:
+    name: str
+    index: int
+    stage: int
+    layer: int | None
+    phase: str
+    module: tuple[str, ...]
+    primitive: str
+    spec: str
+    strategy: str
+    compute: float
+    communication: float
+
+
+_WRAPPER = re.compile(r"\w+\(|\)")
+_MODULE = re.compile(r"[A-Za-z][\w.]*")
+_CROSS = re.compile(r"^<(.+):(\d+)>$")
+
+
+def _module_path(label: str) -> tuple[str, ...]:
+    """``transpose(jvp(GPT/Block_0/Attention_0/_where))`` -> ``("GPT", "Block_0", "Attention_0")``;
+    ``transpose(jvp(MLP))/Dense_3`` -> ``("MLP", "Dense_3")``."""
+    inner = _WRAPPER.sub("", label)
+    out = []
+    for part in inner.split("/") if inner else ():
+        if not _MODULE.fullmatch(part):
+            break  # a function (``_take``) or an einsum (``bqhd,bkhd->bhqk``): not a module
+        out.append(part)
+    return tuple(out)
+
+
+def _label_phase(label: str) -> str:
+    return "backward" if label.startswith("transpose(") else "forward" if label.startswith("jvp(") else ""
+
+
+def _op_records(plan: Plan | PipelinePlan) -> list[_OpRecord]:
+    layer_of: dict[str, tuple[int, str]] = {}
+    if isinstance(plan, PipelinePlan) and plan.problem is not None:
+        sl = plan.problem.slicing
+        layer_of = {op.name: (int(sl.layer[op.index]), sl.phase[op.index]) for op in plan.problem.graph.ops}
+        order = {op.name: op.index for op in plan.problem.graph.ops}
+    else:
+        order = {}
+    records = []
+    for stage, sp in enumerate(stage_plans(plan)):
+        for o in sp.ops:
+            if o.kind != "op":
+                continue
+            layer, phase = layer_of.get(o.name, (None, _label_phase(o.label)))
+            records.append(
+                _OpRecord(
+                    o.name, order.get(o.name, len(records)), stage, layer, phase, _module_path(o.label), o.primitive,
+                    o.output_specs[0] if o.output_specs else "-", o.strategy, o.compute_cost, o.communication_cost,
+                )
+            )
+    records.sort(key=lambda r: r.index)
+    return records
+
+
+def _dependencies(plan: Plan | PipelinePlan) -> list[tuple[str, str, str]]:
+    """(producer op, consumer op, tensor) for every op input made by another op, in program order.
+
+    A pipeline plan reads them from its traced program; a single-mesh plan from its strategy
+    graph's operand edges. A plan loaded without planner state has none."""
+    out = []
+    if isinstance(plan, PipelinePlan):
+        if plan.problem is None:
+            return []
+        graph = plan.problem.graph
+        for op in graph.ops:
+            for v in op.inputs:
+                p = graph.vars[v].producer
+                if p is not None:
+                    prod = graph.ops[p]
+                    out.append((prod.name, op.name, f"{prod.name}:{prod.outputs.index(v)}"))
+        return out
+    sg = plan.problem
+    if sg is None:
+        return []
+    for e in sg.edges:
+        if e.consumer >= 0 and sg.nodes[e.producer].kind == "op":
+            name = sg.nodes[e.producer].name
+            out.append((name, sg.nodes[e.consumer].name, f"{name}:{e.output}"))
+    return out
+
+
+def _cross_mesh(plan: PipelinePlan, stage_of: Mapping[str, int]) -> list[tuple[str, str, str, str, int, float]]:
+    """(producer op, first reader op, tensor, phase, bytes per step, seconds per step) per cross-mesh transfer.
+
+    A tensor moves once to a stage however many of its ops read it: its bytes go on the edge
+    to the first reader (of the matching phase: the update's reads move once per step)."""
+    from alpa_lab.cost.cluster import ClusterSpec
+    from alpa_lab.passes.stages import APPLY
+    from alpa_lab.passes.transfers import STATE, pipeline_transfers
+
+    problem = plan.problem
+    graph, sl = problem.graph, problem.slicing
+    cluster = getattr(problem, "cluster", None) or ClusterSpec(**plan.cluster)
+    readers = graph.consumers()
+    made = {v: o for o, v in graph.state_carries()}
+    out = []
+    for t in pipeline_transfers(plan):
+        source = made[t.var] if t.phase == STATE else t.var
+        producer = graph.ops[graph.vars[source].producer]
+        mine = [i for i in readers[t.var] if stage_of.get(graph.ops[i].name) == t.dst_stage]
+        if t.phase != STATE:
+            mine = [i for i in mine if (sl.phase[i] == APPLY) == (t.phase == APPLY)] or mine
+        if not mine:
+            continue
+        k = t.times_per_step(plan.num_microbatches)
+        tensor = f"{producer.name}:{producer.outputs.index(source)}"
+        out.append((producer.name, graph.ops[min(mine)].name, tensor, t.phase, t.nbytes * k, t.resharding.cost(cluster) * k))
+    return out
+
+
+def _join_phase(phases: str, phase: str) -> str:
+    """``"forward"`` + ``"apply"`` -> ``"forward+apply"`` (each once)."""
+    if not phase or phase in phases.split("+"):
+        return phases
+    return f"{phases}+{phase}" if phases else phase
+
+
+def _group_keys(records: Sequence[_OpRecord], max_nodes: int) -> tuple[list[tuple], int | None]:
+    """A key per op: the op itself when few, else (stage, layer, phase, module path cut to the deepest
+    level that keeps the groups at most ``max_nodes``; just (stage, layer, phase) if none does)."""
+    if len(records) <= max_nodes:
+        return [(r.name,) for r in records], None
+    depth = max((len(r.module) for r in records), default=0)
+    while True:
+        keys = [(r.stage, r.layer, r.phase, "/".join(r.module[:depth])) for r in records]
+        if len(set(keys)) <= max_nodes or depth == 0:
+            return keys, depth
+        depth -= 1
+
+
+def program_graph(plan: Plan | PipelinePlan, max_nodes: int = 150) -> ProgramGraph:
+    """The planned program as a graph: a node per op (per group of ops when there are more than
+    ``max_nodes``), coloured by the layout it computes, and an edge per data dependency, with the
+    plan's reshardings and (for a pipeline) the cross-mesh transfers on the edges that cause them.
+
+    Layout: columns by the longest path from the first ops (groups ordered by their ops' median
+    column, edges against that order left out of the columns: a group's ops may interleave with
+    another's); rows within a stage's band by that order. Deterministic, no solver.
+    """
+    records = _op_records(plan)
+    rec = {r.name: r for r in records}
+    keys, depth = _group_keys(records, max_nodes)
+    group_of = {r.name: k for r, k in zip(records, keys)}
+
+    # edges between ops, with resharding costs, then cross-mesh transfers
+    edge_data: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def edge(src: str, dst: str) -> dict[str, Any]:
+        return edge_data.setdefault((src, dst), {"tensors": [], "resharding": 0.0, "nbytes": 0, "seconds": 0.0, "phase": ""})
+
+    deps = [(a, b, t) for a, b, t in _dependencies(plan) if a in rec and b in rec]
+    for a, b, t in deps:
+        e = edge(a, b)
+        if t not in e["tensors"]:
+            e["tensors"].append(t)
+    loose: dict[str, float] = {}  # op -> resharding seconds with no edge between two ops to show them
+    for sp in stage_plans(plan):
+        for r in sp.reshardings:
+            cross = _CROSS.match(r.producer)  # a tensor that arrived from another stage: on the cross-mesh edge
+            producer = cross.group(1) if cross else r.producer
+            if r.consumer.startswith("output "):  # into the layout the step returns it in
+                loose[producer] = loose.get(producer, 0.0) + r.cost
+            elif (producer, r.consumer) in edge_data:
+                edge_data[(producer, r.consumer)]["resharding"] += r.cost
+            else:  # a step argument (a parameter, the batch) read in another layout
+                loose[r.consumer] = loose.get(r.consumer, 0.0) + r.cost
+    if isinstance(plan, PipelinePlan) and plan.problem is not None:
+        stage_of = {r.name: r.stage for r in records}
+        for a, b, t, phase, nbytes, seconds in _cross_mesh(plan, stage_of):
+            e = edge(a, b)
+            if t not in e["tensors"]:
+                e["tensors"].append(t)
+            e["nbytes"] += nbytes
+            e["seconds"] += seconds
+            e["phase"] = _join_phase(e["phase"], phase)
+
+    # columns: longest path over the ops (program order is a topological order), per group its first op's
+    depth_of: dict[str, int] = {}
+    preds: dict[str, list[str]] = {}
+    for a, b, _ in deps:
+        preds.setdefault(b, []).append(a)
+    for r in records:
+        depth_of[r.name] = 1 + max((depth_of[p] for p in preds.get(r.name, ()) if p in depth_of), default=-1)
+    members: dict[tuple, list[_OpRecord]] = {}
+    for r, k in zip(records, keys):
+        members.setdefault(k, []).append(r)
+    # a group sits where most of its ops do (its first op may read only parameters, at depth 0)
+    order = sorted(members, key=lambda k: (float(np.median([depth_of[r.name] for r in members[k]])), members[k][0].index))
+    rank = {k: i for i, k in enumerate(order)}
+    group_preds: dict[tuple, set[tuple]] = {}
+    for a, b, _ in deps:
+        ga, gb = group_of[a], group_of[b]
+        if rank[ga] < rank[gb]:
+            group_preds.setdefault(gb, set()).add(ga)
+    column: dict[tuple, int] = {}
+    for k in order:
+        column[k] = 1 + max((column[p] for p in group_preds.get(k, ())), default=-1)
+
+    # rows: a band per stage, nodes of a column stacked in order
+    stages = sorted({members[k][0].stage for k in order})
+    slot: dict[tuple, int] = {}
+    height: dict[int, int] = {s: 1 for s in stages}
+    used: dict[tuple[int, int], int] = {}
+    for k in order:
+        where = (members[k][0].stage, column[k])
+        slot[k] = used.get(where, 0)
+        used[where] = slot[k] + 1
+        height[where[0]] = max(height[where[0]], used[where])
+    top: dict[int, int] = {}
+    row = 0
+    bands = []
+    stage_list = stage_plans(plan)
+    for s in stages:
+        top[s] = row
+        sp = stage_list[s]
+        bands.append(StageBand(s, row, row + height[s] - 1, f"stage {s}: mesh {sp.mesh_shape[0]}x{sp.mesh_shape[1]}"))
+        row += height[s] + 1
+
+    nodes = []
+    node_id: dict[tuple, str] = {}
+    for k in order:
+        ms = members[k]
+        if depth is None:
+            nid, module = ms[0].name, "/".join(ms[0].module)
+        else:
+            module = k[3]
+            nid = f"s{k[0]}/L{'' if k[1] is None else k[1]}/{k[2]}/{module}"
+        node_id[k] = nid
+        weight: dict[str, tuple[float, int]] = {}  # per layout: the group's seconds and ops in it
+        for r in ms:
+            w = weight.get(sharding_key(r.spec), (0.0, 0))
+            weight[sharding_key(r.spec)] = (w[0] + r.compute + r.communication, w[1] + 1)
+        key = max(weight, key=lambda c: weight[c])
+        main = max((r for r in ms if sharding_key(r.spec) == key), key=lambda r: (r.compute + r.communication, -r.index))
+        names = tuple(r.name for r in ms)
+        nodes.append(
+            GraphNode(
+                nid, names, main.name, main.stage, main.layer, main.phase, module, main.primitive, main.spec,
+                main.strategy, key, sum(r.compute for r in ms), sum(r.communication for r in ms),
+                sum(loose.get(n, 0.0) for n in names), column[k], top[main.stage] + slot[k],
+            )
+        )
+
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    inner: dict[str, float] = {}
+    for (a, b), e in edge_data.items():
+        src, dst = node_id[group_of[a]], node_id[group_of[b]]
+        if src == dst:  # inside a group (one stage): its reshardings are the node's
+            inner[src] = inner.get(src, 0.0) + e["resharding"]
+            continue
+        m = merged.setdefault((src, dst), {"tensors": [], "resharding": 0.0, "nbytes": 0, "seconds": 0.0, "phase": ""})
+        m["tensors"].extend(t for t in e["tensors"] if t not in m["tensors"])
+        m["resharding"] += e["resharding"]
+        m["nbytes"] += e["nbytes"]
+        m["seconds"] += e["seconds"]
+        m["phase"] = _join_phase(m["phase"], e["phase"])
+    if inner:
+        nodes = [replace(n, resharding=n.resharding + inner[n.id]) if n.id in inner else n for n in nodes]
+    stage_of_node = {n.id: n.stage for n in nodes}
+    edges = []
+    for (src, dst), m in merged.items():
+        kind = "cross_mesh" if stage_of_node[src] != stage_of_node[dst] else "reshard" if m["resharding"] > 0 else "data"
+        edges.append(GraphEdge(src, dst, kind, tuple(m["tensors"]), m["resharding"], m["nbytes"], m["seconds"], m["phase"]))
+    return ProgramGraph(tuple(nodes), tuple(edges), tuple(bands), len(records), depth is not None, depth)
