@@ -105,13 +105,21 @@ LABELS_JS = """(root) => {
 }"""
 
 
-# Text outside the figures: tab titles and widget labels cut short with an ellipsis, and
-# preformatted text (an op's explanation) wrapped or cut off instead of scrolling.
+# Text outside the figures: tab titles, widget labels and buttons cut short with an ellipsis,
+# controls running out of the tab, and preformatted text (an op's explanation) wrapped or cut
+# off instead of scrolling.
 HTML_JS = """(root) => {
     const out = [];
-    root.querySelectorAll('.lm-TabBar-tabLabel, .widget-label').forEach(el => {
+    root.querySelectorAll('.lm-TabBar-tabLabel, .widget-label, .jupyter-button').forEach(el => {
         if (el.checkVisibility() && el.textContent.trim() && el.scrollWidth > el.clientWidth + 1)
             out.push(`label ${JSON.stringify(el.textContent.trim())} is cut short (${el.clientWidth} of ${el.scrollWidth} px)`);
+    });
+    const panel = root.querySelector('.widget-tab-contents').getBoundingClientRect();
+    root.querySelectorAll('.widget-tab-contents .widget-inline-hbox, .widget-tab-contents .jupyter-button').forEach(el => {
+        const r = el.getBoundingClientRect();
+        if (el.checkVisibility() && (r.right > panel.right + 1 || r.left < panel.left - 1))
+            out.push(`control ${JSON.stringify(el.innerText.trim().slice(0, 30))} runs out of the tab (${r.left}..${r.right} of `
+                     + `${panel.left}..${panel.right} px)`);
     });
     root.querySelectorAll('pre').forEach(el => {
         if (!el.checkVisibility()) return;

@@ -8,7 +8,8 @@ the row empty (plotly.py issue 5208). ``figure_widget`` makes a widget that plot
 re-lays out on request (``responsive``); ``FitToWidth``, an invisible widget placed beside
 them, makes that request whenever a figure's box and its layout's width disagree: after
 it is drawn, when its tab is shown, when the notebook column changes width. Its style
-sheet (``WORKBENCH_CLASS``) lets the tab bar wrap instead of cutting its titles short.
+sheet (``WORKBENCH_CLASS``) lets the tab bar and rows of controls wrap instead of cutting
+titles short or running out of the output, and sizes buttons to their text.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ _CSS = f"""
 .{WORKBENCH_CLASS} > .widget-tab > .lm-TabBar .lm-TabBar-content {{ flex-wrap: wrap; }}
 .{WORKBENCH_CLASS} > .widget-tab > .lm-TabBar .lm-TabBar-tab {{ flex: 0 0 auto; min-width: fit-content; }}
 .{WORKBENCH_CLASS} pre {{ white-space: pre; overflow-x: auto; }}
+.{WORKBENCH_CLASS} .jupyter-button {{ width: auto; min-width: fit-content; }}
+.{WORKBENCH_CLASS} .widget-hbox {{ flex-wrap: wrap; }}
 """
 
 

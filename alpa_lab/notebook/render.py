@@ -106,7 +106,8 @@ def overview_figure(ov: Overview) -> go.Figure:
         if size is None:
             continue  # too small to write in: the hover says it
         fig.add_annotation(x=(b.devices[0] + b.devices[1]) / 2, y=(b.hosts[0] + b.hosts[1]) / 2, text=label, showarrow=False,
-                           font=dict(size=size, color="#fff"), row=1, col=1)
+                           font=dict(size=size, color="#fff"), bgcolor=colour(ov.device_stage[b.hosts[0]][b.devices[0]]),
+                           row=1, col=1)  # the background covers the gaps between the block's cells
     fig.update_yaxes(autorange="reversed", title_text="host", row=1, col=1, dtick=1)
     fig.update_xaxes(title_text="device", row=1, col=1, dtick=1)
     names = [str(s.index) for s in ov.stages]  # "stage 0" beside the device grid runs into it at 1000 px
