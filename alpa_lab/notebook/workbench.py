@@ -22,6 +22,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from alpa_lab.notebook import render, views
+from alpa_lab.notebook.autosize import WORKBENCH_CLASS, FitToWidth, figure_widget
 from alpa_lab.plan import PipelinePlan, Plan
 from alpa_lab.passes.schedule import SCHEDULES
 
@@ -34,7 +35,7 @@ _RUNTIME_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
 
 
 def _figure(fig: go.Figure) -> W.Widget:
-    return go.FigureWidget(fig)
+    return figure_widget(fig)  # at its tab's width (FitToWidth below the tabs)
 
 
 def _parse_ranges(text: str) -> list[list[int]]:
@@ -181,7 +182,8 @@ class Workbench(W.VBox):
         self._graph_widget: go.FigureWidget | None = None
         self.tabs.children = (*self.tabs.children, self.graph_box)
         self.tabs.set_title(len(self.tabs.children) - 1, "Graph")
-        self.children = [self.title, self.status, self.tabs]
+        self.children = [self.title, self.status, self.tabs, FitToWidth()]
+        self.add_class(WORKBENCH_CLASS)  # FitToWidth's style: whole tab titles, explanations that scroll
         self.refresh()
 
     # ----- views -----------------------------------------------------------------------
@@ -339,7 +341,7 @@ class Workbench(W.VBox):
 
     def _draw_graph(self) -> None:
         self._graph = views.program_graph(self.plan)
-        fig = go.FigureWidget(render.graph_figure(self._graph, selected=self.op_select.value))
+        fig = figure_widget(render.graph_figure(self._graph, selected=self.op_select.value))
         for trace in fig.data:
             if trace.customdata is not None:  # the nodes: a click selects the op
                 trace.on_click(self._on_graph_click)
