@@ -181,7 +181,8 @@ def series_svg(points: Sequence[tuple[int, float]], title: str, unit: str, width
 
     line = " ".join(px(x, y) for x, y in pts)
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="10">'
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'style="max-width:100%;height:auto" font-size="10">'
         f'<text x="2" y="12">{html.escape(title)}: {ys[-1]:.4g} {html.escape(unit)}</text>'
         f'<text x="2" y="{top + 8}">{y1:.3g}</text><text x="2" y="{top + h}">{y0:.3g}</text>'
         f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#ddd"/>'

@@ -325,7 +325,9 @@ def timeline_svg(bars: Sequence[Bar], width: int = 900) -> str:
     span = max(t1 - t0, 1e-12)
     left, lane_h = 140, 22
     scale = (width - left - 10) / span
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{lane_h * len(lanes) + 24}" font-size="10">']
+    height = lane_h * len(lanes) + 24  # scales down to a narrower notebook (viewBox), never wider than its width
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             'style="max-width:100%;height:auto" font-size="10">']
     for k, i in lane_of.items():
         name = f"{'measured ' if k[0] == 'measured' else ''}mesh {k[1]}{' transfers' if k[2] else ''}"
         parts.append(f'<text x="2" y="{i * lane_h + 15}">{html.escape(name)}</text>')
