@@ -236,6 +236,8 @@ class Dashboard(W.VBox):
         self.run = run
         self.interval = interval
         self.updates = 0
+        self.update_times: deque[float] = deque(maxlen=10_000)
+        """driver clock of each redraw"""
         self.busy_seconds = 0.0
         """time spent redrawing (what the dashboard takes from the run, at most)"""
         self.latencies: deque[float] = deque(maxlen=1000)
@@ -338,6 +340,7 @@ class Dashboard(W.VBox):
         self.state = s
         self._version = snap.version
         self.updates += 1
+        self.update_times.append(time.time())
         if self.on_update is not None:
             self.on_update(s)
         self.busy_seconds += time.perf_counter() - t0
