@@ -20,7 +20,7 @@ from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
-from alpa_lab.passes.methods import METHODS, MethodError, solve_method
+from alpa_lab.passes.methods import METHODS, MethodError, solve_tied
 from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import SCHEDULES
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, make_plan
@@ -55,9 +55,10 @@ def plan_graph(
     errors = []
     for mesh in meshes:
         t0 = time.perf_counter()
-        sg = build_strategy_graph(graph, mesh)
         try:
-            solved = solve_method(sg, method, pins, memory_budget=memory_budget)
+            sg, solved = solve_tied(
+                lambda period, mesh=mesh: build_strategy_graph(graph, mesh, tie_period=period), method, pins, memory_budget=memory_budget
+            )
         except MethodError as exc:
             errors.append(str(exc))
             continue
@@ -263,7 +264,8 @@ class ParallelizedStep:
             graph = self.trace(*args)
             plan.check_program(graph)
             if plan.problem is None:
-                sg = build_strategy_graph(graph, self.cluster.logical_mesh(plan.mesh_shape, plan.device_ids))
+                mesh = self.cluster.logical_mesh(plan.mesh_shape, plan.device_ids)
+                sg = build_strategy_graph(graph, mesh, tie_period=int(plan.solver.get("tie_period", 1)))
                 plan = dataclasses.replace(plan, problem=sg)
         self.current_plan = plan
         return plan

@@ -594,6 +594,7 @@ def make_plan(
             "ilp_nodes": len(sg.cost_graph.node_costs),
             "ops": sum(1 for n in sg.nodes if n.kind == "op"),
             "status": ilp.status,
+            "tie_period": sg.tie_period,
         },
         mesh_candidates=tuple(mesh_candidates),
         unplanned_primitives=sg.unplanned_primitives,
@@ -953,7 +954,8 @@ class PipelinePlan:
             raise PlanFormatError("the planner state given is for another cluster than this pipeline plan's")
         graphs = []
         for st in self.stages:
-            sg = problem.stage_graph(st.layers, st.submesh_shape, st.logical_shape, st.device_ids)
+            period = int(st.plan.solver.get("tie_period", 1))
+            sg = problem.stage_graph(st.layers, st.submesh_shape, st.logical_shape, st.device_ids, period)
             if sg.fingerprint != st.plan.fingerprint:
                 raise PlanFormatError(
                     f"stage {st.index}'s plan (layers {st.layers[0]}..{st.layers[1] - 1}) belongs to another program "

@@ -106,6 +106,10 @@ class StrategyGraph:
     var_dtype: Mapping[int, str] = field(default_factory=dict)
     argument_kinds: Mapping[int, str] = field(default_factory=dict)
     """argument var -> "param", "optimizer_state", "data" (``graph.analysis``) or "activation"."""
+    tie_period: int = 1
+    """repeats this far apart share a strategy (``build_strategy_graph``'s ``tie_period``)"""
+    ties: int = 0
+    """groups the repeated-block tying merged (0: nothing repeats, the period changes nothing)"""
 
     def node_index(self, name: str) -> int:
         for i, n in enumerate(self.nodes):
@@ -131,6 +135,7 @@ def build_strategy_graph(
     merge_trivial_ops: bool = True,
     reuse_repeated_blocks: bool = True,
     argument_kinds: Mapping[int, str] | None = None,
+    tie_period: int = 1,
 ) -> StrategyGraph:
     """Enumerate strategies and resharding costs for ``graph`` on ``mesh``.
 
@@ -141,6 +146,10 @@ def build_strategy_graph(
     ``argument_kinds`` overrides ``classify_arguments`` (a pipeline stage's graph gets
     ``"activation"`` for tensors that arrive from another stage: stored, not loaded from
     the host).
+
+    ``tie_period`` 2 ties every other repeat (blocks 0, 2, 4 and 1, 3, 5): a stack whose best
+    plan alternates (Megatron's column- then row-split kernels) keeps its optimum that way;
+    ``passes.methods.solve_tied`` tries both.
     """
     t0 = time.perf_counter()
     strategy_cache = _cache(_STRATEGIES, mesh)
@@ -189,7 +198,11 @@ def build_strategy_graph(
 
     group_of_node, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
     if reuse_repeated_blocks:
-        group_of_node = _tie_repeated_blocks(graph, nodes, op_keys, group_of_node)
+        untied = len(set(group_of_node.tolist()))
+        group_of_node = _tie_repeated_blocks(graph, nodes, op_keys, group_of_node, tie_period)
+        ties = untied - len(set(group_of_node.tolist()))
+    else:
+        ties = 0
     cost_graph = _cost_graph(graph, mesh, nodes, edges, group_of_node, member_map)
     return StrategyGraph(
         mesh=mesh,
@@ -210,6 +223,8 @@ def build_strategy_graph(
         var_info={v.id: (v.shape, v.itemsize) for v in graph.vars},
         var_dtype={v.id: v.dtype for v in graph.vars},
         argument_kinds=argument_kinds,
+        tie_period=tie_period,
+        ties=ties,
     )
 
 
@@ -296,7 +311,7 @@ def _follow_table(
 
 
 def _tie_repeated_blocks(
-    graph: OpGraph, nodes: list[PlanningNode], op_keys: list[tuple], group_of_node: np.ndarray
+    graph: OpGraph, nodes: list[PlanningNode], op_keys: list[tuple], group_of_node: np.ndarray, period: int = 1
 ) -> np.ndarray:
     """Give the same op in each repeat of a block one shared strategy choice (TAP).
 
@@ -306,6 +321,7 @@ def _tie_repeated_blocks(
     repeated blocks are tied too). Ops of one role are the same computation in repeated
     blocks; their groups are united when they choose among identical strategy lists, so
     strategy ``r`` means the same for all of them. Ops whose label has no index stay alone.
+    With ``period`` p > 1 the role also holds each index modulo p: repeats p apart are tied.
     """
     parent = {int(g): int(g) for g in set(group_of_node.tolist())}
 
@@ -326,7 +342,8 @@ def _tie_repeated_blocks(
         if not re.search(r"\d", label):
             continue
         k = rank[(label, key)] = rank.get((label, key), -1) + 1
-        role = (re.sub(r"\d+", "#", label), key, k)
+        phase = tuple(int(d) % period for d in re.findall(r"\d+", label)) if period > 1 else ()
+        role = (re.sub(r"\d+", "#", label), key, k, phase)
         if role not in first_of_role:
             first_of_role[role] = n
             continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, solve_strategy_graph
 from alpa_lab.sharding.spec import ShardingSpec
@@ -52,6 +52,47 @@ def solve_method(
     if method != "alpa":
         return MethodSolution(solution, restrictions)
     return shard_weight_update(sg, solution, pins or {}, memory_budget)
+
+
+TIE_PERIODS = (1, 2)
+"""repetition periods ``solve_tied`` tries: every repeat alike, and alternate repeats alike (Megatron's pairs)"""
+
+
+def solve_tied(
+    build: Callable[[int], StrategyGraph],
+    method: str,
+    pins: Mapping[str, str] | None = None,
+    *,
+    memory_budget: float | None = None,
+) -> tuple[StrategyGraph, MethodSolution]:
+    """Repeated-block tying (TAP) at the repetition period that keeps the optimum: the cheapest of ``TIE_PERIODS``.
+
+    ``build(period)`` makes the strategy graph tied at that period. Tying every repeat alike
+    forbids plans that alternate between repeats (a stack of equal linear layers split by
+    columns, then rows, then columns...); tying alternate repeats allows them, at twice the
+    variables. When nothing repeats, one solve. A period whose problem cannot be solved
+    (pins that only hold at another period) is skipped; the first period's error is raised
+    if none can.
+    """
+    best: tuple[StrategyGraph, MethodSolution] | None = None
+    first_error: Exception | None = None
+    for period in TIE_PERIODS:
+        sg = build(period)
+        try:
+            solved = solve_method(sg, method, pins, memory_budget=memory_budget)
+        except ValueError as exc:  # infeasible or conflicting pins at this period
+            first_error = first_error or exc
+            if sg.ties == 0:
+                break
+            continue
+        if best is None or solved.solution.objective < best[1].solution.objective * (1 - 1e-9):
+            best = (sg, solved)
+        if sg.ties == 0:  # nothing is tied: another period gives the same problem
+            break
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    return best
 
 
 def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, ...]]:

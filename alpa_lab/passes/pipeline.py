@@ -34,7 +34,7 @@ from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
 from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, solve_strategy_graph
-from alpa_lab.passes.methods import method_restrictions, solve_method
+from alpa_lab.passes.methods import method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
@@ -173,13 +173,15 @@ class PipelineProblem:
         forward += sol.objective - op_total  # loads and reshardings: charged to the forward
         return LayerCost(forward, sol.objective - forward, weights * self.state_factor, activations)
 
-    def stage_graph(self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...]) -> StrategyGraph:
+    def stage_graph(
+        self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1
+    ) -> StrategyGraph:
         """The intra-op problem of the stage holding ``layers`` on ``device_ids`` seen as ``logical`` (cached)."""
-        key = (layers, logical, device_ids)
+        key = (layers, logical, device_ids) if tie_period == 1 else (layers, logical, device_ids, tie_period)
         if key not in self.stage_graphs:
             piece = self.piece(layers)
             self.stage_graphs[key] = build_strategy_graph(
-                piece.graph, self.mesh(submesh, logical, device_ids), argument_kinds=self.piece_kinds(piece)
+                piece.graph, self.mesh(submesh, logical, device_ids), argument_kinds=self.piece_kinds(piece), tie_period=tie_period
             )
         return self.stage_graphs[key]
 
@@ -220,8 +222,7 @@ def _plan_stage(
     key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
-        sg = problem.stage_graph(layers, submesh, logical, device_ids)
-        solved = solve_method(sg, method, mine)
+        sg, solved = solve_tied(lambda period: problem.stage_graph(layers, submesh, logical, device_ids, period), method, mine)
         problem.stage_plans[key] = make_plan(
             sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
         )
