@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
+from IPython.testing import globalipapp
 
 import alpa_lab as al
 from alpa_lab.models import tiny_example
@@ -12,7 +12,7 @@ from alpa_lab.models import tiny_example
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython()
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()  # one IPython app per process: another test module may have started it
     shell.run_line_magic("load_ext", "alpa_lab")
     ex = tiny_example("mlp")
     shell.user_ns.update(ex_step=ex.train_step, state=ex.state, batch=ex.batch)
