@@ -20,7 +20,8 @@ if "jax" not in _sys.modules and "xla_force_host_platform_device_count" not in _
     _count = _os.environ.get("ALPA_LAB_CPU_DEVICES", "8")
     _os.environ["XLA_FLAGS"] = f"{_os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_count}".strip()
 
-from alpa_lab.api import ParallelizedStep, parallelize, plan_graph
+import importlib as _importlib
+
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
 from alpa_lab.graph.markers import grad, mark_stage_boundary, value_and_grad
 from alpa_lab.graph.trace import TraceError, trace
@@ -28,10 +29,34 @@ from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.intra_op import PinError
 from alpa_lab.passes.methods import METHODS, MethodError
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
-from alpa_lab.runtime.apply import DeviceError
-from alpa_lab.runtime.ray_cluster import RayCluster, RayClusterError
-from alpa_lab.runtime.ray_run import LaunchError, MeshWorkerError, RayRun
+from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
+
+_LAZY = {
+    "ParallelizedStep": "alpa_lab.api",
+    "parallelize": "alpa_lab.api",
+    "plan_graph": "alpa_lab.api",
+    "RayCluster": "alpa_lab.runtime.ray_cluster",
+    "RayClusterError": "alpa_lab.runtime.ray_cluster",
+    "LaunchError": "alpa_lab.runtime.ray_run",
+    "MeshWorkerError": "alpa_lab.runtime.ray_run",
+    "RayRun": "alpa_lab.runtime.ray_run",
+}
+"""Names whose modules import the runtime: loaded on first use, so that a script using only
+plans (``Plan.load(...).jit(step)``) runs without importing alpa_lab's runtime."""
+
+
+def __getattr__(name: str):  # noqa: ANN202 (PEP 562 module attribute hook)
+    if name not in _LAZY:
+        raise AttributeError(f"module 'alpa_lab' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "METHODS",

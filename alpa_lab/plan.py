@@ -17,7 +17,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
 
 from alpa_lab.cost.cluster import Collective, _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
@@ -25,6 +27,7 @@ from alpa_lab.passes.inter_op import pipeline_latency
 from alpa_lab.passes.intra_op import PinError, StrategyGraph
 from alpa_lab.passes.methods import MethodSolution, solve_method
 from alpa_lab.passes.schedule import SCHEDULES, Timeline, TimelineRecord
+from alpa_lab.sharding.constraints import ConstrainedStep, device_mesh, spec_sharding
 from alpa_lab.sharding.resharding import resharding
 
 SCHEMA_VERSION = 1
@@ -398,6 +401,69 @@ class Plan:
                 f"this plan belongs to another program (plan fingerprint {self.fingerprint}, "
                 f"traced program {graph.fingerprint}): the function, its argument shapes or its "
                 "dtypes differ; re-plan with step.plan(...)"
+            )
+
+    # ----- export to plain JAX -------------------------------------------------------
+    def mesh(self, devices: Sequence[Any] | None = None) -> Any:
+        """The plan's logical mesh: a ``jax.sharding.Mesh`` (axes ``"x"``, ``"y"``) of
+        ``devices[i]`` for the plan's ``device_ids`` (``devices`` default: ``jax.devices()``)."""
+        return device_mesh(self.mesh_shape, self.device_ids, devices)
+
+    def shardings(self, *args: Any, results: Any = None, devices: Sequence[Any] | None = None) -> tuple[Any, Any]:
+        """(argument shardings, result shardings): ``NamedSharding`` pytrees for ``jax.jit``.
+
+        So a plan can be used without alpa_lab: ``jax.jit(step, in_shardings=..., out_shardings=...)``
+        keeps the state where the plan keeps it between steps (the ops inside are left to
+        XLA; ``Plan.jit`` applies the plan's per-op shardings too). ``args`` are the step's
+        arguments (arrays or ``jax.ShapeDtypeStruct``s), whose structure the argument
+        shardings take. The result shardings take the structure of ``results`` (the
+        step's results, or ``jax.eval_shape(step, *args)``); without it they are a tuple,
+        one per result leaf in order. On ``self.mesh(devices)``.
+        """
+        mesh = self.mesh(devices)
+        leaves, in_tree = jax.tree_util.tree_flatten(args)
+        _check_leaves(leaves, self.inputs, "argument")
+        ins = jax.tree_util.tree_unflatten(in_tree, [spec_sharding(mesh, t.spec) for t in self.inputs])
+        outs = tuple(spec_sharding(mesh, t.spec) for t in self.outputs)
+        if results is not None:
+            leaves, out_tree = jax.tree_util.tree_flatten(results)
+            _check_leaves(leaves, self.outputs, "result")
+            outs = jax.tree_util.tree_unflatten(out_tree, outs)
+        return ins, outs
+
+    def jit(self, fn: Callable[..., Any], devices: Sequence[Any] | None = None) -> ConstrainedStep:
+        """``fn`` run with plain ``jax.jit`` under this plan, without alpa_lab's runtime.
+
+        The returned step traces ``fn`` on its first call with given shapes (it must be the
+        program this plan was made for) and jits it with the plan's argument and result
+        shardings and a ``with_sharding_constraint`` on every op, on ``self.mesh(devices)``:
+        the same program the runtime runs. It also has ``lower(*args)`` (for the HLO) and
+        ``shardings(*args)`` (both pytrees, from the trace).
+        """
+        return ConstrainedStep(
+            fn=fn,
+            fingerprint=self.fingerprint,
+            op_specs={o.name: o for o in self.ops if o.kind == "op"},
+            in_specs=tuple(t.spec for t in self.inputs),
+            out_specs=tuple(t.spec for t in self.outputs),
+            mesh=self.mesh(devices),
+        )
+
+
+def _check_leaves(leaves: Sequence[Any], tensors: Sequence[TensorPlan], what: str) -> None:
+    """Raise unless ``leaves`` are the plan's arguments/results (``what``): their count and shapes."""
+    if len(leaves) != len(tensors):
+        raise ValueError(
+            f"the plan's step has {len(tensors)} {what} arrays but {len(leaves)} were given: pass the step's "
+            f"{what}s as it was planned with (the plan lists {', '.join(t.path for t in tensors[:3])}"
+            + (", ..." if len(tensors) > 3 else "") + ")"
+        )
+    for x, t in zip(leaves, tensors):
+        shape = tuple(getattr(x, "shape", ()))
+        if shape != tuple(t.shape):
+            raise ValueError(
+                f"{what} {t.path} has shape {list(shape)} but the plan was made for {list(t.shape)}: "
+                "pass arrays of the planned shapes, or re-plan with these"
             )
 
 
@@ -932,6 +998,49 @@ class PipelinePlan:
                 f"traced program {graph.fingerprint}): the function, its argument shapes or dtypes, the number "
                 "of micro-batches or the layering (layers=) differ; re-plan with step.plan(...)"
             )
+
+    def shardings(self, *args: Any, results: Any = None, devices: Sequence[Any] | None = None) -> tuple[Any, Any]:
+        """(argument shardings, result shardings): each leaf's ``NamedSharding`` on the
+        sub-mesh of the stage that keeps it, as ``Plan.shardings`` gives them for one mesh.
+
+        An argument goes to the first stage that reads it (the stage whose update owns a
+        weight; an argument no stage reads: replicated on the first stage), a result to the
+        stage that computes it: where the pipeline runtime keeps the state between steps,
+        so it can be placed, saved or restored there without alpa_lab. The result shardings
+        take the structure of ``results`` (the step's results, or ``jax.eval_shape(step,
+        *args)``); without it they are a dict from result path (``jax.tree_util.keystr``).
+        """
+        meshes = [st.plan.mesh(devices) for st in self.stages]
+        homes: dict[str, dict[str, Any]] = {"argument": {}, "result": {}}
+        for st, mesh in zip(self.stages, meshes):
+            for t in st.plan.inputs:
+                homes["argument"].setdefault(t.path, spec_sharding(mesh, t.spec))
+            for t in st.plan.outputs:
+                if not t.path.startswith("<"):  # not a tensor passed between stages
+                    homes["result"].setdefault(t.path, spec_sharding(mesh, t.spec))
+        unread = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+
+        def placed(tree: Any, side: str) -> Any:
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+            out = []
+            for path, _ in leaves:
+                key = jax.tree_util.keystr(path) or "[]"
+                if key not in homes[side] and side == "result":
+                    raise ValueError(
+                        f"no stage of this pipeline plan computes a result {key}: pass the step's results "
+                        "(or jax.eval_shape(step, *args)) as it was planned with"
+                    )
+                out.append(homes[side].get(key, unread))
+            return jax.tree_util.tree_unflatten(treedef, out)
+
+        paths = {jax.tree_util.keystr(p) or "[]" for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]}
+        if not paths & set(homes["argument"]):
+            raise ValueError(
+                "none of the arguments given is one this pipeline plan's stages read: pass the step's arguments "
+                f"as it was planned with (the stages read e.g. {', '.join(sorted(homes['argument'])[:3])})"
+            )
+        outs = dict(homes["result"]) if results is None else placed(results, "result")
+        return placed(args, "argument"), outs
 
     def attach(self, problem: Any) -> PipelinePlan:
         """This plan with ``problem`` (the ``PipelineProblem`` of its program) as its planner state.

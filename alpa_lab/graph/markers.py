@@ -15,6 +15,15 @@ clusters its ops into L layers by the DP of eq. 6 (``passes.layering``) and re-r
 with a boundary marker (``"layer1"`` ... ``"layer{L-1}"``) on every tensor crossing a
 layer boundary, before differentiating; so each layer's backward is delimited too.
 
+Argument-less boundaries (Alpa's ``mark_pipeline_boundary()``): ``mark_stage_boundary()``
+with no tensor binds a marker on nothing, which says *where* the program splits but has no
+tangent, so it cannot mirror itself in the backward pass. ``trace`` therefore watches for
+such calls (``watch_boundaries``: the first one stops the trace) and traces the step again
+with ``cutting_boundaries`` on; then ``value_and_grad`` traces its loss function to a jaxpr, and re-runs that jaxpr
+with a boundary marker on every tensor live at each such point (as Alpa's manual layer
+construction does), before differentiating: the cut is then the one a tensor boundary on
+those tensors makes. A step without them is traced once, as before.
+
 The sharding rule (``alpa_lab.sharding.rules.elementwise``) treats the marker as an
 element-wise identity: output i takes the spec of input i, with no communication.
 """
@@ -29,13 +38,18 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from alpa_lab.graph.evaluate import evaluate
 from alpa_lab.graph.opgraph import Op
 
-__all__ = ["KINDS", "LOSS", "auto_layers", "grad", "mark_stage_boundary", "pipeline_marker_p", "value_and_grad"]
+__all__ = [
+    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "cutting_boundaries", "grad", "is_cut", "mark_stage_boundary", "pipeline_marker_p",
+    "value_and_grad", "watch_boundaries", "watching_boundaries",
+]
 
 LOSS = "loss"
 """Name of the boundary marker on the loss; its backward mirror starts the backward pass."""
@@ -44,6 +58,13 @@ _MAX_UNITS = 1500
 """Largest op count the layering DP clusters op by op (see ``_layered``)."""
 
 _AUTO_LAYERS: contextvars.ContextVar[int | None] = contextvars.ContextVar("alpa_lab_auto_layers", default=None)
+_CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("alpa_lab_boundary_calls", default=None)
+"""Names of the argument-less ``mark_stage_boundary()`` calls made while ``trace`` watches."""
+_CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_cutting", default=False)
+"""Whether ``value_and_grad`` turns argument-less boundaries into tensor boundaries."""
+
+_CALLS_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+"""Calls an argument-less boundary may sit in: pure structure, so they are inlined to cut there."""
 
 KINDS = ("boundary", "gradient")
 
@@ -119,17 +140,34 @@ def mark(xs: Sequence[Any], kind: str, name: str = "") -> list[Any]:
 
 
 def mark_stage_boundary(*xs: Any, name: str = "") -> Any:
-    """Mark a pipeline-stage boundary on ``xs`` (arrays or pytrees of arrays).
+    """Mark a pipeline-stage boundary on ``xs`` (arrays or pytrees of arrays), or here.
 
     Each leaf gets its own marker op (all with ``name``). Unnamed boundaries are told
     apart by position: the markers of one call are adjacent in the program.
-
     Returns the marked values: one argument gives one value back, several give a tuple.
+
+    With no argument (Alpa's ``mark_pipeline_boundary()``), the program is cut at this
+    point: every tensor computed before it and used after it crosses the boundary, as if
+    each were passed here. This works inside the loss function given to
+    ``alpa_lab.value_and_grad``/``alpa_lab.grad`` (also inside a ``jax.jit`` function it
+    calls), where the cut can be mirrored in the backward pass; it returns None. Tracing a
+    step for a plan (``alpa_lab.trace``, ``step.plan``) with one elsewhere, or inside
+    ``jax.checkpoint``/``custom_vjp``/control flow, raises ``TraceError`` saying so. Outside
+    a plan's tracing (run eagerly, under plain ``jax.jit``/``jax.grad``) it does nothing.
+    Because it is found while the step is traced, a call inside a ``jax.jit`` function
+    whose trace JAX already cached is not seen: call it in the loss function itself.
     """
-    if not xs:
-        raise TypeError("mark_stage_boundary needs at least one argument")
-    leaves, tree = jax.tree_util.tree_flatten(xs)
     _check_params("boundary", name)
+    if not xs:
+        calls = _CALLS.get()
+        if calls is not None:
+            calls.append(name)
+            if not _CUTTING.get():
+                raise BoundaryFound(name)
+        # the marker on nothing: a no-op when run or compiled, a position in a jaxpr
+        pipeline_marker_p.bind(kind="boundary", name=name)
+        return None
+    leaves, tree = jax.tree_util.tree_flatten(xs)
     # one marker per leaf, so each tensor keeps its own sharding across the boundary
     marked = [pipeline_marker_p.bind(x, kind="boundary", name=name)[0] for x in leaves]
     out = jax.tree_util.tree_unflatten(tree, marked)
@@ -256,14 +294,190 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     return layered
 
 
+class BoundaryFound(Exception):
+    """An argument-less boundary met while ``trace`` watches and does not cut yet: ``trace``
+    stops there and traces the step again with ``cutting_boundaries`` on."""
+
+
+def is_cut(eqn_or_op: Any) -> bool:
+    """An argument-less boundary (a jaxpr equation or an ``Op``): a marker on nothing."""
+    prim = getattr(eqn_or_op, "primitive", None)
+    prim = getattr(prim, "name", prim)
+    inputs = eqn_or_op.invars if hasattr(eqn_or_op, "invars") else eqn_or_op.inputs
+    return prim == "pipeline_marker" and not inputs and eqn_or_op.params["kind"] == "boundary"
+
+
+def watching_boundaries() -> bool:
+    """Whether an enclosing ``trace`` records argument-less boundaries (so it is the one to act)."""
+    return _CALLS.get() is not None
+
+
+@contextlib.contextmanager
+def watch_boundaries() -> Iterator[list[str]]:
+    """Within this block, argument-less ``mark_stage_boundary()`` calls are listed (their names)."""
+    calls: list[str] = []
+    token = _CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CALLS.reset(token)
+
+
+@contextlib.contextmanager
+def cutting_boundaries() -> Iterator[None]:
+    """Within this block, ``value_and_grad`` cuts its loss function at argument-less boundaries."""
+    token = _CUTTING.set(True)
+    try:
+        yield
+    finally:
+        _CUTTING.reset(token)
+
+
+def _find_cuts(jaxpr: Any, where: str = "") -> bool:
+    """Whether ``jaxpr`` has an argument-less boundary at its top level or in a call it may inline.
+
+    Raises ``ValueError`` for one inside a body that cannot be cut (``jax.checkpoint``,
+    ``custom_vjp``/``custom_jvp``, ``scan``/``while``/``cond``): its backward is not the
+    backward of its ops, or it runs more than once.
+    """
+    found = False
+    for eqn in jaxpr.eqns:
+        if is_cut(eqn):
+            if where:
+                raise ValueError(
+                    f"mark_stage_boundary() without arguments inside {where} cannot cut the program there "
+                    "(that body is differentiated, or run, as a whole): call it between such calls, "
+                    "or mark the tensors that cross: x = mark_stage_boundary(x)"
+                )
+            found = True
+            continue
+        prim = eqn.primitive.name
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            inlined = prim in _CALLS_INLINED and not where
+            found |= _find_cuts(sub, "" if inlined else where or prim)
+    return found
+
+
+def _cut(fun: Callable, args: tuple, kwargs: dict) -> Callable | None:
+    """``fun`` re-run from its jaxpr with a boundary marker on every tensor live at each
+    argument-less ``mark_stage_boundary()``; None when it has none.
+
+    The jaxpr keeps ``custom_vjp``/``custom_jvp`` calls and ``jax.checkpoint`` bodies whole
+    (only the ``jit`` calls holding a boundary are inlined), so differentiating the re-run
+    is differentiating ``fun``.
+    """
+    leaves, in_tree = jax.tree_util.tree_flatten(args)
+    # arrays are traced; flags and other Python values stay what they are, as jax.grad passes them
+    traced = [jcore.valid_jaxtype(x) and not isinstance(x, (bool, int)) for x in leaves]
+
+    def run(*arrays: Any) -> Any:
+        given = iter(arrays)
+        a = jax.tree_util.tree_unflatten(in_tree, [next(given) if t else x for x, t in zip(leaves, traced)])
+        return fun(*a, **kwargs)
+
+    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*(x for x, t in zip(leaves, traced) if t))
+    if not _find_cuts(closed.jaxpr):
+        return None
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def cut(*a: Any) -> Any:
+        arrays = [x for x, t in zip(jax.tree_util.tree_leaves(a), traced) if t]
+        outs = _Cutter().run(closed.jaxpr, closed.consts, arrays)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return cut
+
+
+class _Cutter:
+    """Evaluates a jaxpr, replacing each argument-less boundary by boundary markers on the
+    values that cross it: computed before it (by an equation, not an argument or constant),
+    read after it, of a float dtype (the others have no gradient to mirror).
+
+    A boundary inside an inlined call cuts the enclosing program too: the frames of the
+    calls being evaluated are searched as well, and a marked value replaces the unmarked
+    one in every frame.
+    """
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[dict, dict, list[int]]] = []  # (env, last use, [position])
+        self.computed: dict[int, Any] = {}  # id -> value (kept alive so ids stay unique)
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        last: dict[Any, int] = {}
+        for k, eqn in enumerate(jaxpr.eqns):
+            last.update((v, k) for v in eqn.invars if isinstance(v, jcore.Var))
+        last.update((v, len(jaxpr.eqns)) for v in jaxpr.outvars if isinstance(v, jcore.Var))
+        here = [0]
+        self.frames.append((env, last, here))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        try:
+            for k, eqn in enumerate(jaxpr.eqns):
+                here[0] = k
+                # bound under the equation's own module path, so labels are those of a plain run
+                name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+                with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                    if is_cut(eqn):
+                        self.cut(eqn.params["name"])
+                        continue
+                    body = _inlined_body(eqn)
+                    if body is not None:  # a jit holding a boundary: its ops run here, under its name
+                        with jax.named_scope(eqn.params["name"]) if eqn.params.get("name") else contextlib.nullcontext():
+                            outs = self.run(body.jaxpr, body.consts, [read(v) for v in eqn.invars])
+                    else:
+                        outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+                        outs = outs if eqn.primitive.multiple_results else [outs]
+                for v, x in zip(eqn.outvars, outs):
+                    env[v] = x
+                    self.computed[id(x)] = x
+            return [read(v) for v in jaxpr.outvars]
+        finally:
+            self.frames.pop()
+
+    def cut(self, name: str) -> None:
+        crossing: dict[int, Any] = {}
+        for env, last, here in self.frames:
+            for v, x in env.items():
+                if last.get(v, -1) > here[0] and id(x) in self.computed and _inexact(x):
+                    crossing.setdefault(id(x), x)
+        for x in crossing.values():  # one marker per tensor: each keeps its own sharding
+            marked = pipeline_marker_p.bind(x, kind="boundary", name=name)[0]
+            self.computed[id(marked)] = marked
+            for env, _, _ in self.frames:
+                for v, y in env.items():
+                    if y is x:
+                        env[v] = marked
+
+
+def _inlined_body(eqn: Any) -> Any:
+    """The body (a ``ClosedJaxpr``) of a ``jit``-like call holding a boundary; None for any other equation."""
+    body = eqn.params.get(_CALLS_INLINED[eqn.primitive.name]) if eqn.primitive.name in _CALLS_INLINED else None
+    if body is None:
+        return None
+    closed = body if hasattr(body, "consts") else jcore.ClosedJaxpr(body, ())
+    return closed if _find_cuts(closed.jaxpr) else None
+
+
+def _inexact(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and dtype != jax.dtypes.float0 and np.issubdtype(np.dtype(dtype), np.inexact)
+
+
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
     """``jax.value_and_grad`` that marks the loss and every gradient leaf (see module doc)."""
 
     def wrapped(*args: Any, **kw: Any) -> Any:
+        f = _cut(fun, args, kw) if _CUTTING.get() else None
         num_layers = _AUTO_LAYERS.get()
-        f = _layered(fun, num_layers, args, kw) if num_layers else fun
+        if f is None:
+            f = _layered(fun, num_layers, args, kw) if num_layers else fun
         if f is not fun:
-            kw = {}  # the layered function closed over them
+            kw = {}  # the cut or layered function closed over them
 
         def marked(*a: Any, **k: Any) -> Any:
             return _mark_loss(f(*a, **k), has_aux)

@@ -6,6 +6,10 @@ every op the planner sees is a real computation. Their custom derivative rules a
 needed: the traced function is the whole training step, already differentiated.
 Control flow (``scan``, ``while``, ``cond``) stays one op; it has no sharding rule and is
 planned replicated.
+
+A step that calls ``mark_stage_boundary()`` without arguments is traced twice: the second
+time with ``markers.cutting_boundaries`` on, so that ``value_and_grad`` puts boundary
+markers on the tensors crossing each such point (see ``graph.markers``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from alpa_lab.graph import markers
 from alpa_lab.graph.opgraph import Op, OpGraph, Var
 
 # primitive -> name of the param holding the body to inline
@@ -53,6 +58,30 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     graph is then only valid inside that trace); ``value_and_grad``'s automatic layering
     traces a loss function that way from inside the training step.
     """
+    if markers.watching_boundaries():  # inside another trace: that one handles boundaries
+        return _trace(fn, args, traced_consts)
+    with markers.watch_boundaries() as calls:
+        try:
+            graph = _trace(fn, args, traced_consts)
+        except markers.BoundaryFound:  # stopped at the first one: no use tracing the rest
+            graph = None
+    if graph is not None and not calls and not any(markers.is_cut(op) for op in graph.ops):
+        return graph
+    with markers.watch_boundaries(), markers.cutting_boundaries():
+        graph = _trace(fn, args, traced_consts)
+    stray = [op for op in graph.ops if markers.is_cut(op)]
+    if stray:
+        where = stray[0].label or "the step's top level"
+        raise TraceError(
+            f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
+            "is outside the loss function given to alpa_lab.value_and_grad / alpa_lab.grad, where the cut cannot "
+            "be mirrored in the backward pass: move it into the loss function, or mark the tensors that cross: "
+            "x = mark_stage_boundary(x)"
+        )
+    return graph
+
+
+def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
     def fresh(*a: Any) -> Any:
         # a new function each time: JAX caches traces by function identity, and the same
         # step traced inside ``auto_layers`` is another program (it has layer markers)
@@ -61,6 +90,8 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     try:
         # return_shape: the output structure from the same trace (eval_shape would trace again)
         closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
+    except markers.BoundaryFound:  # for ``trace`` to trace again, cutting
+        raise
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: "
