@@ -379,9 +379,9 @@ def test_calibrating_the_ray_cluster_measures_its_workers_and_the_host_link(clus
 
     worker = ray.remote(MeshWorker).options(num_cpus=1).remote(0, 0, 1)
     try:
-        size = 16 << 20
+        size = 8 << 20  # between two of the fitted sizes
         times = []
-        for _ in range(5):
+        for _ in range(6):
             ref = ray.get(worker.offer.remote(size))[0]
             t0 = time.perf_counter()
             np.array(ray.get(ref), copy=True)  # into this process, as a receiving worker's tiles are
@@ -389,4 +389,5 @@ def test_calibrating_the_ray_cluster_measures_its_workers_and_the_host_link(clus
     finally:
         ray.kill(worker, no_restart=True)
     predicted = spec.inter_host_latency + size / spec.inter_host_bandwidth
-    assert 1 / 3 < predicted / float(np.median(times)) < 3, (predicted, times)
+    # the fastest after a warm-up, as calibrate takes it: other work on this shared host only adds time
+    assert 1 / 3 < predicted / min(times[1:]) < 3, (predicted, times)

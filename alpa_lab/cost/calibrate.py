@@ -219,7 +219,12 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
 
 
 def fit_transfer(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """(latency, bandwidth) of a link from transfer times at several sizes: the least-squares line t = alpha + n / bw."""
-    slope, intercept = np.polyfit(np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    """(latency, bandwidth) of a link from transfer times at several sizes: the line t = alpha + n / bw.
+
+    Fitted on relative errors (weights 1/t), so the small sizes, where latency shows, count as much as the
+    large ones, and one slow large transfer cannot make every prediction slow.
+    """
+    t = np.asarray(seconds, dtype=float)
+    slope, intercept = np.polyfit(np.asarray(sizes, dtype=float), t, 1, w=1.0 / np.maximum(t, 1e-9))
     bandwidth = 1.0 / slope if slope > 0 else max(sizes) / max(min(seconds), 1e-9)
     return max(float(intercept), 0.0), float(bandwidth)

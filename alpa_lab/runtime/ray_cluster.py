@@ -32,7 +32,7 @@ def _ray() -> Any:
     return ray
 
 
-TRANSFER_SIZES = (64 * 1024, 1 << 20, 8 << 20, 32 << 20)
+TRANSFER_SIZES = (64 * 1024, 1 << 20, 4 << 20, 16 << 20)
 """bytes of the host-to-host transfers ``RayCluster.calibrate`` times"""
 
 
@@ -217,14 +217,15 @@ class RayCluster:
             measured = Calibration(**ray.get(workers[0].calibrate.remote(repeats), timeout=600))
             measured = replace(measured, num_devices=self.hosts * self.devices_per_host)
             if len(workers) == 2:
-                medians = []
+                best = []
                 for size in sizes:
                     times = []
-                    for _ in range(repeats):
+                    for _ in range(repeats + 1):  # the first pull of a size warms the object store up: dropped
                         refs = ray.get(workers[0].offer.remote(size))
                         times.append(ray.get(workers[1].pull.remote(refs)))
-                    medians.append(statistics.median(times))
-                latency, bandwidth = fit_transfer(list(sizes), medians)
+                    # the fastest: on a shared host other work only ever adds time (a spike of 10x is common)
+                    best.append(min(times[1:]))
+                latency, bandwidth = fit_transfer(list(sizes), best)
                 pings = []
                 for _ in range(repeats):
                     t = time.perf_counter()
