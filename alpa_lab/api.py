@@ -146,9 +146,9 @@ class ParallelizedStep:
         self._last_args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
         if key not in self._graphs:
             if self.pipelined:
-                micro, self._splits[key] = microbatch_args(self.fn, args, self.microbatches)
-                with auto_layers(self.layers or DEFAULT_LAYERS):
-                    self._graphs[key] = trace(self.fn, *micro)
+                self._graphs[key], self._splits[key] = trace_microbatched(
+                    self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS
+                )
             else:
                 self._graphs[key] = trace(self.fn, *args)
         return self._graphs[key]
@@ -404,13 +404,83 @@ class ParallelizedStep:
         have = (self.cluster.hosts, self.cluster.devices_per_host)
         if (profile.cluster_spec["hosts"], profile.cluster_spec["devices_per_host"]) != have:
             raise ProfileError(f"the profile was measured for another cluster shape than this step's {have[0]}x{have[1]}")
-        args = args or tuple(self._last_args)
-        self.cluster = profile.cluster()
-        return self.plan(*args, pins=dict(plan.pins) or None)
+        if not args and getattr(self, "_last_args", None) is None:
+            raise ValueError("this step was never traced: pass its arguments, step.recalibrate(profile, state, batch)")
+        cluster = profile.cluster()
+        graph = self.trace(*(args or tuple(self._last_args)))
+        new = plan_graph(
+            graph, cluster, mesh_shape=self.mesh_shape, method=plan.method, memory_budget=plan.memory_budget,
+            pins=dict(plan.pins) or None,
+        )
+        self.cluster = cluster  # only once planned: a failed re-plan leaves the step as it was
+        self.current_plan = new
+        return new
 
     def compiled_hlo(self, *args: Any) -> str:
         """XLA's optimised HLO of the current plan (what XLA really runs)."""
         return self.compiled(*args).lower_text(*jax.tree_util.tree_leaves(args))
+
+
+def call_compiled(compiled: CompiledPlan | CompiledPipeline, graph: OpGraph, args: tuple) -> Any:
+    """Run a compiled plan on the step's arguments: flat leaves in, results in the step's own structure.
+
+    Shared by ``ParallelizedStep.__call__`` and a ``TrainingRun``, which keeps calling the program it
+    compiled at launch whatever plan the step has since.
+    """
+    return jax.tree_util.tree_unflatten(graph.out_tree, compiled(*jax.tree_util.tree_leaves(args)))
+
+
+def trace_microbatched(fn: Callable, args: tuple, num_microbatches: int, layers: int) -> tuple[OpGraph, tuple[bool, ...]]:
+    """``fn`` traced on one micro-batch and cut into ``layers`` layers, and which flat leaves were split.
+
+    Once, not twice, in the usual case: the batch is guessed from the arguments' shapes (the
+    arguments whose array leaves share one leading dimension), the micro-batch traced, and the
+    guess checked against that trace's results by ``microbatch_args``' rule (a leaf returned in
+    place is state, every other leaf with the batch's leading dimension is batch). A wrong
+    guess costs the full-batch trace ``microbatch_args`` does, then the trace again.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    guess = _guess_split(args, num_microbatches)
+    if guess is not None:
+        micro = [
+            jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]) if s else tuple(np.shape(x)), x.dtype)
+            for (_, x), s in zip(flat, guess)
+        ]
+        try:
+            with auto_layers(layers):
+                graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+        except TraceError:
+            graph = None  # the guess made shapes the step cannot take: ask the full-batch trace
+        if graph is not None:
+            returned = {p: (tuple(graph.vars[v].shape), str(graph.vars[v].dtype)) for p, v in zip(graph.out_paths, graph.outvars)}
+            data = [
+                i for i, ((p, x), m) in enumerate(zip(flat, micro))
+                if returned.get(_path_str(p)) != (tuple(m.shape), str(m.dtype)) and np.ndim(x) >= 1
+            ]
+            if data:
+                batch = max(np.shape(flat[i][1])[0] for i in data)
+                if tuple(i in data and np.shape(x)[0] == batch for i, (_, x) in enumerate(flat)) == guess:
+                    return graph, guess
+    micro_args, split = microbatch_args(fn, args, num_microbatches)
+    with auto_layers(layers):
+        return trace(fn, *micro_args), split
+
+
+def _guess_split(args: tuple, num_microbatches: int) -> tuple[bool, ...] | None:
+    """Which flat leaves are likely the batch: those of the arguments whose array leaves all share one
+    leading dimension (a batch dict; not a train state), at the largest such dimension; None: no guess."""
+    shared = []
+    for arg in args:
+        dims = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(arg) if np.ndim(x) >= 1}
+        shared.append(dims.pop() if len(dims) == 1 else None)
+    batch = max((d for d in shared if d is not None), default=None)
+    if not batch or batch % num_microbatches:
+        return None
+    return tuple(
+        d == batch and np.ndim(x) >= 1 and np.shape(x)[0] == batch
+        for arg, d in zip(args, shared)
+        for x in jax.tree_util.tree_leaves(arg)
+    )
 
 
 def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[tuple, tuple[bool, ...]]:

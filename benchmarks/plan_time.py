@@ -31,9 +31,7 @@ import time
 import jax
 
 import alpa_lab as al
-from alpa_lab.api import microbatch_args
-from alpa_lab.graph.markers import auto_layers
-from alpa_lab.graph.trace import trace
+from alpa_lab.api import trace_microbatched
 from alpa_lab.models import gpt_config, make_gpt, make_wide_resnet, wide_resnet_config
 from alpa_lab.passes.inter_op import logical_shapes, pipeline_latency
 from alpa_lab.passes.pipeline import MEMORY_SAVING_METHODS, PipelineProblem, plan_pipeline
@@ -190,9 +188,7 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     M = args.microbatches or M
     params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(ex.state.params))
     t0 = time.perf_counter()
-    micro, _ = microbatch_args(ex.train_step, ex.args, M)
-    with auto_layers(num_layers):
-        graph = trace(ex.train_step, *micro)
+    graph, _ = trace_microbatched(ex.train_step, ex.args, M, num_layers)
     t_trace = time.perf_counter() - t0
     problem, stages, timeline = plan_pipeline(
         graph, cluster, num_microbatches=M, schedule="1f1b", logical_meshes=args.logical_meshes

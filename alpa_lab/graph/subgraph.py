@@ -11,7 +11,7 @@ aliasing (argument path == result path) mean the same in the piece as in the who
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from alpa_lab.graph.opgraph import Op, OpGraph, Var
@@ -37,12 +37,18 @@ def cross_path(graph: OpGraph, vid: int) -> str:
 
 
 def subgraph(
-    graph: OpGraph, op_indices: Iterable[int], *, outputs: Iterable[int] | None = None
+    graph: OpGraph,
+    op_indices: Iterable[int],
+    *,
+    outputs: Iterable[int] | None = None,
+    consumers: Mapping[int, Sequence[int]] | None = None,
 ) -> Subgraph:
     """The ops ``op_indices`` of ``graph`` (kept in program order) as a program.
 
     Its results are the tensors it computes that ops outside it or the whole program's
     results read, or exactly ``outputs`` when given (a unit task's needed results).
+    ``consumers`` (``graph.consumers()``, computed once by a caller that cuts many pieces)
+    spares a scan of the whole program per piece.
     """
     chosen = sorted(set(op_indices))
     inside = set(chosen)
@@ -62,7 +68,10 @@ def subgraph(
             seen.add(v)
             invars.append(v)
     if outputs is None:
-        read_outside = {v for op in graph.ops if op.index not in inside for v in op.inputs}
+        if consumers is None:
+            read_outside = {v for op in graph.ops if op.index not in inside for v in op.inputs}
+        else:
+            read_outside = {v for v in produced if any(c not in inside for c in consumers[v])}
         outvars = [v for i in chosen for v in graph.ops[i].outputs if v in read_outside or v in out_pos]
     else:
         outvars = list(outputs)

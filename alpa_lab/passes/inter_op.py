@@ -483,6 +483,7 @@ def stage_dp(
     stage_cost: StageCostFn,
     max_stages: int | None = None,
     in_flight: InFlightFn | None = None,
+    cache: dict | None = None,
 ) -> InterOpPlan:
     """Alpa's stage-construction DP (eq. 2-5): optimal slicing, sub-meshes and logical meshes.
 
@@ -492,6 +493,9 @@ def stage_dp(
     only used at position s when ``max_in_flight is None or max_in_flight >= in_flight(s)``;
     without it, ``max_in_flight`` only rules out options with 0. Raises
     :class:`InterOpError` on bad arguments or when no slicing fits the cluster (or memory).
+
+    ``cache``: a dict kept by the caller between calls with the same ``stage_cost`` (the DP run
+    again with fewer stages): the profiled table is kept there and ``stage_cost`` not asked again.
     """
     L, N, M, B, S = _validate(
         num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, max_stages
@@ -500,7 +504,12 @@ def stage_dp(
     D = N * M
     shapes = submesh_shapes(N, M)
     stats: dict[str, int] = {}
-    table = _profile(stage_cost, L, shapes, stats)
+    profiled = cache.get((L, N, M)) if cache is not None else None
+    if profiled is None:
+        profiled = (_profile(stage_cost, L, shapes, stats), stats)
+        if cache is not None:
+            cache[(L, N, M)] = profiled
+    table, stats = profiled
     if not table:
         if stats.get("no_memory"):
             raise InterOpError(

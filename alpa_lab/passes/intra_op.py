@@ -14,6 +14,7 @@ maps the group choices back to every op. It is pure: same inputs, same result.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class StrategyGraph:
     """repeats this far apart share a strategy (``build_strategy_graph``'s ``tie_period``)"""
     ties: int = 0
     """groups the repeated-block tying merged (0: nothing repeats, the period changes nothing)"""
+    merged_groups: np.ndarray | None = None
+    """group_of_node before repeated-block tying (``retie`` ties it again at another period)"""
 
     def node_index(self, name: str) -> int:
         for i, n in enumerate(self.nodes):
@@ -196,13 +199,8 @@ def build_strategy_graph(
             producer, out = node_of_var[vid]
             edges.append(OperandEdge(producer, out, -1 - out_pos, node_of_var[in_var][0], vid))
 
-    group_of_node, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
-    if reuse_repeated_blocks:
-        untied = len(set(group_of_node.tolist()))
-        group_of_node = _tie_repeated_blocks(graph, nodes, op_keys, group_of_node, tie_period)
-        ties = untied - len(set(group_of_node.tolist()))
-    else:
-        ties = 0
+    merged, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
+    group_of_node, ties = _tied(graph, nodes, op_keys, merged, tie_period) if reuse_repeated_blocks else (merged, 0)
     cost_graph = _cost_graph(graph, mesh, nodes, edges, group_of_node, member_map)
     return StrategyGraph(
         mesh=mesh,
@@ -225,6 +223,32 @@ def build_strategy_graph(
         argument_kinds=argument_kinds,
         tie_period=tie_period,
         ties=ties,
+        merged_groups=merged if reuse_repeated_blocks else None,
+    )
+
+
+def _tied(graph: OpGraph, nodes: list[PlanningNode], op_keys: list[tuple], merged: np.ndarray, period: int) -> tuple[np.ndarray, int]:
+    """Groups after repeated-block tying at ``period``, and how many groups the tying merged."""
+    group_of_node = _tie_repeated_blocks(graph, nodes, op_keys, merged, period)
+    return group_of_node, len(set(merged.tolist())) - len(set(group_of_node.tolist()))
+
+
+def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
+    """``sg`` (built from ``graph``) with its repeated blocks tied at ``tie_period`` instead.
+
+    The same as ``build_strategy_graph(graph, sg.mesh, tie_period=...)`` without enumerating
+    strategies again: only the grouping and the ILP's cost graph change with the period.
+    """
+    if sg.merged_groups is None or tie_period == sg.tie_period:
+        return sg
+    t0 = time.perf_counter()
+    nodes = list(sg.nodes)
+    op_keys = [_op_key(op, graph) for op in graph.ops]
+    group_of_node, ties = _tied(graph, nodes, op_keys, sg.merged_groups, tie_period)
+    cost_graph = _cost_graph(graph, sg.mesh, nodes, list(sg.edges), group_of_node, list(sg.member_map))
+    return dataclasses.replace(
+        sg, group_of_node=group_of_node, cost_graph=cost_graph, tie_period=tie_period, ties=ties,
+        build_seconds=time.perf_counter() - t0,
     )
 
 
@@ -237,9 +261,19 @@ def _cache(store: dict, mesh: LogicalMesh) -> dict:
     """A per-mesh cache that outlives one build: the pipeline planner builds a strategy graph
     per layer and mesh, and repeated layers share op keys (strategies) and tensor shapes
     (resharding tables), so the second layer on a mesh costs little."""
-    if mesh not in store and len(store) >= _CACHED_MESHES:
+    key = cost_signature(mesh)
+    if key not in store and len(store) >= _CACHED_MESHES:
         store.clear()
-    return store.setdefault(mesh, {})
+    return store.setdefault(key, {})
+
+
+def cost_signature(mesh: LogicalMesh) -> LogicalMesh:
+    """``mesh`` without its device ids: everything a strategy's cost depends on.
+
+    Two placements of one sub-mesh shape with the same links (the stages of a pipeline on
+    different hosts) share strategies, resharding tables and whole stage problems.
+    """
+    return dataclasses.replace(mesh, device_ids=()) if mesh.device_ids else mesh
 
 
 def _storage_strategies(var: Var, mesh: LogicalMesh, per_step: bool) -> tuple[Strategy, ...]:

@@ -24,8 +24,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
 from alpa_lab.cost.profile import CostParts
@@ -33,7 +36,7 @@ from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
-from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, solve_strategy_graph
+from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, cost_signature, retie, solve_strategy_graph
 from alpa_lab.passes.methods import method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
@@ -42,6 +45,7 @@ from alpa_lab.plan import Plan, StageResult, make_plan, memory_per_mesh
 
 Shape = tuple[int, int]
 LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel")
+LAYER_GRAPHS_KEPT = 16
 
 __all__ = [
     "LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages", "stage_schedule",
@@ -85,15 +89,24 @@ class PipelineProblem:
     pieces: dict[tuple[int, int], Subgraph] = field(default_factory=dict)
     """layers [start, end) -> that stage's program (cut once; plans, runtime and views share it)."""
     stage_graphs: dict[tuple, StrategyGraph] = field(default_factory=dict)
-    """(layers, logical mesh, devices) -> its intra-op problem: a pin re-solves only the ILP."""
+    """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP."""
+    stage_solutions: dict[tuple, tuple] = field(default_factory=dict)
+    """(layers, mesh costs, method, pins) -> (tie period, solution): a stage placed elsewhere reuses it"""
+    consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    """var -> the ops that read it (``graph.consumers()``, once: every piece cut needs it)"""
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
     """the profiling cost model (``runtime.stage_profile``): (problem, stages, schedule) -> measured
     seconds per (stage, phase); when set, planned stages are timed on the devices, not priced"""
+    layer_graphs: OrderedDict = field(default_factory=OrderedDict)
+    """(layer key, sub-mesh, logical mesh) -> that layer's intra-op problem, the last few: the
+    DP asks a layer's memory-saving layouts right after its fastest one, and they share it"""
+    prefixes: dict[tuple, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    """(sub-mesh, logical mesh, method) -> cumulative layer costs: a stage's cost in O(1)"""
 
     def piece(self, layers: tuple[int, int]) -> Subgraph:
         """The program of the stage holding ``layers`` [start, end)."""
         if layers not in self.pieces:
-            self.pieces[layers] = subgraph(self.graph, self.slicing.ops_of(range(*layers)))
+            self.pieces[layers] = subgraph(self.graph, self.slicing.ops_of(range(*layers)), consumers=self.consumers or None)
         return self.pieces[layers]
 
     @classmethod
@@ -120,7 +133,9 @@ class PipelineProblem:
             if kind in sizes:
                 sizes[kind] += graph.vars[v].nbytes
         factor = 1.0 + sizes["optimizer_state"] / sizes["param"] if sizes["param"] else 1.0
-        problem = cls(graph, slicing, cluster, kinds, tuple(layer_keys), reuse=reuse, saved=saved, state_factor=factor)
+        problem = cls(
+            graph, slicing, cluster, kinds, tuple(layer_keys), reuse=reuse, saved=saved, state_factor=factor, consumers=consumers
+        )
         problem.seconds["slicing"] = time.perf_counter() - t0
         return problem
 
@@ -145,13 +160,26 @@ class PipelineProblem:
             self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
         return self.layer_costs[key]
 
-    def _solve_layer(self, layer: int, submesh: Shape, logical: Shape, method: str) -> LayerCost | None:
+    def _layer_graph(self, layer: int, submesh: Shape, logical: Shape) -> tuple[list[int], StrategyGraph, dict[int, str]]:
+        """The intra-op problem of one layer on one logical mesh (the methods restrict its solve, not it)."""
+        key = (self.layer_keys[layer], submesh, logical)
         ops = self.slicing.ops_of([layer], (FORWARD, BACKWARD))
-        if not ops:
-            return LayerCost(0.0, 0.0, 0.0, 0.0)
-        piece = subgraph(self.graph, ops)
+        if key in self.layer_graphs:
+            self.layer_graphs.move_to_end(key)
+            rep, sg, kinds = self.layer_graphs[key]
+            return self.slicing.ops_of([rep], (FORWARD, BACKWARD)), sg, kinds
+        piece = subgraph(self.graph, ops, consumers=self.consumers or None)
         kinds = self.piece_kinds(piece)
         sg = build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse)
+        self.layer_graphs[key] = (layer, sg, kinds)
+        if len(self.layer_graphs) > LAYER_GRAPHS_KEPT:
+            self.layer_graphs.popitem(last=False)
+        return ops, sg, kinds
+
+    def _solve_layer(self, layer: int, submesh: Shape, logical: Shape, method: str) -> LayerCost | None:
+        if not self.slicing.ops_of([layer], (FORWARD, BACKWARD)):
+            return LayerCost(0.0, 0.0, 0.0, 0.0)
+        ops, sg, kinds = self._layer_graph(layer, submesh, logical)
         try:
             sol = solve_strategy_graph(sg, restrictions=method_restrictions(method, sg))
         except ValueError:
@@ -177,25 +205,43 @@ class PipelineProblem:
         self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1
     ) -> StrategyGraph:
         """The intra-op problem of the stage holding ``layers`` on ``device_ids`` seen as ``logical`` (cached)."""
-        key = (layers, logical, device_ids) if tie_period == 1 else (layers, logical, device_ids, tie_period)
-        if key not in self.stage_graphs:
+        mesh = self.mesh(submesh, logical, device_ids)
+        # keyed by the mesh's costs, not its devices: one stage placed on other hosts is the same problem
+        key = (layers, cost_signature(mesh), tie_period)
+        sg = self.stage_graphs.get(key)
+        if sg is None:
             piece = self.piece(layers)
-            self.stage_graphs[key] = build_strategy_graph(
-                piece.graph, self.mesh(submesh, logical, device_ids), argument_kinds=self.piece_kinds(piece), tie_period=tie_period
-            )
-        return self.stage_graphs[key]
+            untied = self.stage_graphs.get((layers, cost_signature(mesh), 1)) if tie_period != 1 else None
+            if untied is not None:
+                sg = retie(untied, piece.graph, tie_period)
+            else:
+                sg = build_strategy_graph(piece.graph, mesh, argument_kinds=self.piece_kinds(piece), tie_period=tie_period)
+            self.stage_graphs[key] = sg
+        return sg if sg.mesh == mesh else dataclasses.replace(sg, mesh=mesh)
 
     def stage_cost(self, start: int, end: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
-        """Layers [start, end) on one logical mesh: the sum of their layer costs."""
-        costs = [self.layer_cost(lay, submesh, logical, method) for lay in range(start, end)]
-        if any(c is None for c in costs):
+        """Layers [start, end) on one logical mesh: the sum of their layer costs (from cumulative sums:
+        the DP asks for every range, so each is a difference of two sums, not a sum over the range)."""
+        forward, backward, weights, activations, infeasible = self.cumulative_costs(submesh, logical, method)
+        if infeasible[end] != infeasible[start]:
             return None
         return LayerCost(
-            sum(c.forward for c in costs),
-            sum(c.backward for c in costs),
-            sum(c.weight_memory for c in costs),
-            sum(c.activation_memory for c in costs),
+            float(forward[end] - forward[start]),
+            float(backward[end] - backward[start]),
+            float(weights[end] - weights[start]),
+            float(activations[end] - activations[start]),
         )
+
+    def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
+        """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
+        those layers are infeasible, for k = 0..L (arrays of L + 1); every layer is priced once."""
+        key = (submesh, logical, method)
+        if key not in self.prefixes:
+            costs = [self.layer_cost(lay, submesh, logical, method) for lay in range(self.slicing.num_layers)]
+            table = np.array([(0.0, 0.0, 0.0, 0.0, 1.0) if c is None else (*dataclasses.astuple(c), 0.0) for c in costs])
+            sums = np.vstack([np.zeros((1, 5)), np.cumsum(table.reshape(-1, 5), axis=0)])
+            self.prefixes[key] = tuple(sums[:, j] for j in range(5))
+        return self.prefixes[key]
 
 
 def _layer_op_key(op: Op, graph: OpGraph) -> tuple:
@@ -222,7 +268,14 @@ def _plan_stage(
     key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
-        sg, solved = solve_tied(lambda period: problem.stage_graph(layers, submesh, logical, device_ids, period), method, mine)
+        # the same stage placed on other devices with the same links: the same solution
+        same = (layers, cost_signature(problem.mesh(submesh, logical, device_ids)), method, key[-1])
+        if same in problem.stage_solutions:
+            period, solved = problem.stage_solutions[same]
+            sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
+        else:
+            sg, solved = solve_tied(lambda period: problem.stage_graph(layers, submesh, logical, device_ids, period), method, mine)
+            problem.stage_solutions[same] = (sg.tie_period, solved)
         problem.stage_plans[key] = make_plan(
             sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
         )
@@ -431,6 +484,7 @@ def plan_pipeline(
         return options
 
     rule = in_flight_rule(schedule, num_microbatches)
+    profiled: dict = {}  # the DP's table of stage costs, profiled once for every stage-count cap
 
     if progress:
         progress(f"stage DP: {problem.slicing.num_layers} layers on {N}x{M} devices")
@@ -438,11 +492,11 @@ def plan_pipeline(
     try:
         inter = stage_dp(
             problem.slicing.num_layers, N, M, num_microbatches, cost, max_stages=max_stages,
-            in_flight=rule,
+            in_flight=rule, cache=profiled,
         )
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
-    candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule)
+    candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule, profiled)
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
@@ -483,6 +537,7 @@ def _fewer_stage_optima(
     max_stages: int | None,
     cost: Callable,
     rule: Callable[[int], int],
+    cache: dict | None = None,
 ) -> list[InterOpPlan]:
     """The DP's optima with at most 1, 2, 4, ... stages (fewer than ``best`` has).
 
@@ -498,7 +553,7 @@ def _fewer_stage_optima(
     while k < best.num_stages and (max_stages is None or k < max_stages):
         try:
             cand = stage_dp(problem.slicing.num_layers, problem.cluster.hosts, problem.cluster.devices_per_host,
-                            num_microbatches, cost, max_stages=k, in_flight=rule)
+                            num_microbatches, cost, max_stages=k, in_flight=rule, cache=cache)
         except InterOpError:  # fewer stages do not fit (memory): not a candidate
             cand = None
         if cand is not None and all(cand.stages != c.stages for c in out):
