@@ -1,0 +1,180 @@
+"""The planning-time shortcuts (issue 11 part 1) give what the slow paths give, on the cases where they could differ."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_lab as al
+from alpa_lab.api import microbatch_args, trace_microbatched
+from alpa_lab.graph.markers import auto_layers
+from alpa_lab.graph.subgraph import subgraph
+from alpa_lab.graph.trace import trace
+from alpa_lab.models import tiny_example
+from alpa_lab.passes.inter_op import stage_dp
+from alpa_lab.passes.intra_op import build_strategy_graph, retie, solve_strategy_graph
+from alpa_lab.passes.pipeline import PipelineProblem, plan_pipeline
+
+
+def slow_trace(fn, args, M, layers):
+    micro, split = microbatch_args(fn, args, M)
+    with auto_layers(layers):
+        return trace(fn, *micro), split
+
+
+def _sgd(params, x, y):
+    def loss(p):
+        h = jnp.tanh(x @ p["w1"])
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    g = jax.grad(loss)(params)
+    return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g)
+
+
+@pytest.mark.parametrize("case", ["state_batch", "two_batch_args", "state_shaped_like_the_batch", "returns_the_batch"])
+def test_tracing_once_finds_the_same_batch_and_program_as_tracing_twice(case):
+    """The guessed split is checked against the trace: right guesses and wrong ones end where microbatch_args ends."""
+    B = 16
+    params = {"w1": jnp.ones((8, 8)), "w2": jnp.ones((8, 4))}
+    x, y = jnp.ones((B, 8)), jnp.ones((B, 4))
+    if case == "state_batch":
+        fn, args = (lambda p, batch: _sgd(p, batch["x"], batch["y"])), (params, {"x": x, "y": y})
+    elif case == "two_batch_args":
+        fn, args = (lambda p, a, b, lr: jax.tree_util.tree_map(lambda t: t * lr, _sgd(p, a, b))), (params, x, y, jnp.float32(0.5))
+    elif case == "state_shaped_like_the_batch":
+        # one state array whose leading dimension is the batch size: the shape guess takes it for batch
+        def fn(w, x):
+            return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w.T)))(w)
+
+        fn, args = fn, (jnp.ones((B, 8)), x)
+    else:  # the step hands its batch back: microbatch_args calls that state
+        fn, args = (lambda p, batch: (_sgd(p, batch["x"], batch["y"]), batch)), (params, {"x": x, "y": y})
+    if case == "returns_the_batch":  # every argument comes back: no batch, the same error either way
+        with pytest.raises(ValueError, match="no batch to split") as slow:
+            slow_trace(fn, args, 4, 1)
+        with pytest.raises(ValueError) as fast:
+            trace_microbatched(fn, args, 4, 1)
+        assert str(fast.value) == str(slow.value)
+        return
+    graph, split = trace_microbatched(fn, args, 4, 1)
+    ref_graph, ref_split = slow_trace(fn, args, 4, 1)
+    assert split == ref_split and graph.fingerprint == ref_graph.fingerprint
+
+
+def test_stage_costs_from_cumulative_sums_equal_the_sums_of_layer_costs():
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=2, layers=4)
+    problem = PipelineProblem.build(step.trace(*ex.args), step.cluster)
+    L = problem.slicing.num_layers
+    for submesh, logical in (((1, 2), (1, 2)), ((2, 2), (2, 2)), ((2, 2), (4, 1))):
+        for method in ("alpa", "megatron"):
+            for start in range(L):
+                for end in range(start + 1, L + 1):
+                    got = problem.stage_cost(start, end, submesh, logical, method)
+                    parts = [problem.layer_cost(k, submesh, logical, method) for k in range(start, end)]
+                    if any(p is None for p in parts):
+                        assert got is None
+                        continue
+                    for f in ("forward", "backward", "weight_memory", "activation_memory"):
+                        want = sum(getattr(p, f) for p in parts)
+                        assert getattr(got, f) == pytest.approx(want, rel=1e-12, abs=1e-18), (start, end, f)
+
+
+def test_a_layer_graph_shared_by_the_methods_prices_them_as_a_fresh_build():
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4), microbatches=2, layers=2)
+    graph = step.trace(*ex.args)
+    shared = PipelineProblem.build(graph, step.cluster)
+    for method in ("alpa", "megatron", "zero3"):  # the first builds, the others reuse its graph
+        fresh = PipelineProblem.build(graph, step.cluster)
+        assert shared.layer_cost(0, (1, 4), (1, 4), method) == fresh.layer_cost(0, (1, 4), (1, 4), method)
+    assert len(shared.layer_graphs) == 1
+
+
+def test_the_profiled_table_kept_between_dp_runs_gives_the_same_optima():
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=4, layers=4)
+    problem = PipelineProblem.build(step.trace(*ex.args), step.cluster)
+    calls = []
+
+    def cost(start, end, submesh, logical):
+        calls.append(1)
+        c = problem.stage_cost(start, end, submesh, logical)
+        return None if c is None else al_stage_cost(c)
+
+    cache: dict = {}
+    for k in (None, 1, 2, 3):
+        kept = stage_dp(problem.slicing.num_layers, 2, 2, 4, cost, max_stages=k, cache=cache)
+        before = len(calls)
+        fresh = stage_dp(problem.slicing.num_layers, 2, 2, 4, cost, max_stages=k)
+        assert len(calls) > before  # the fresh run asked again; the cached one did not (below)
+        assert kept.stages == fresh.stages and kept.total_time == fresh.total_time
+    profiled = len(calls)
+    stage_dp(problem.slicing.num_layers, 2, 2, 4, cost, cache=cache)
+    assert len(calls) == profiled
+
+
+def al_stage_cost(c):
+    from alpa_lab.passes.inter_op import StageCost
+
+    return StageCost(c.time, c.weight_memory + c.activation_memory)
+
+
+def test_retied_graph_equals_a_graph_built_at_that_period():
+    from tests.test_reuse import _linear_stack  # six identical layers: period 2 unties the alternation
+
+    fn, args = _linear_stack()
+    graph = trace(fn, *args)
+    mesh = al.ClusterSpec.local(1, 4).logical_mesh((1, 4))
+    base = build_strategy_graph(graph, mesh)
+    built = build_strategy_graph(graph, mesh, tie_period=2)
+    re = retie(base, graph, 2)
+    assert re.ties == built.ties and (re.group_of_node == built.group_of_node).all()
+    assert solve_strategy_graph(re).objective == pytest.approx(solve_strategy_graph(built).objective, rel=1e-12)
+    assert solve_strategy_graph(re).objective < solve_strategy_graph(base).objective
+
+
+def test_a_stage_placed_on_other_devices_shares_its_problem_but_keeps_its_devices():
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=2, layers=4)
+    graph = step.trace(*ex.args)
+    problem = PipelineProblem.build(graph, step.cluster)
+    a = problem.stage_graph((0, 2), (1, 2), (1, 2), (0, 1))
+    b = problem.stage_graph((0, 2), (1, 2), (1, 2), (2, 3))
+    assert a.mesh.device_ids == (0, 1) and b.mesh.device_ids == (2, 3) and a.cost_graph is b.cost_graph
+    fresh = build_strategy_graph(problem.piece((0, 2)).graph, problem.mesh((1, 2), (1, 2), (2, 3)),
+                                 argument_kinds=problem.piece_kinds(problem.piece((0, 2))))
+    assert solve_strategy_graph(b).objective == pytest.approx(solve_strategy_graph(fresh).objective, rel=1e-12)
+    # a whole plan: stage plans on their own devices, the same step time as a problem planned without sharing
+    _, stages, timeline = plan_pipeline(graph, step.cluster, num_microbatches=2, problem=problem)
+    assert sorted(d for st in stages for d in st.device_ids) == [0, 1, 2, 3]
+    for st in stages:
+        assert st.plan.device_ids == st.device_ids  # each stage's plan runs on its own devices
+    # the same stage placed on devices (2, 3) instead of (0, 1): one solve, each plan on its devices
+    x = problem.stage_plans
+    from alpa_lab.passes.pipeline import _plan_stage
+
+    p0 = _plan_stage(problem, (0, 2), (1, 2), (1, 2), (0, 1), "alpa", {})
+    solutions = len(problem.stage_solutions)
+    p1 = _plan_stage(problem, (0, 2), (1, 2), (1, 2), (2, 3), "alpa", {})
+    assert len(problem.stage_solutions) == solutions and x is problem.stage_plans
+    assert (p0.device_ids, p1.device_ids) == ((0, 1), (2, 3)) and p0.objective == p1.objective
+    assert [o.strategy for o in p0.ops] == [o.strategy for o in p1.ops]
+
+
+def test_pieces_cut_with_the_consumer_index_equal_pieces_cut_by_scanning():
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 2), microbatches=2, layers=4)
+    graph = step.trace(*ex.args)
+    consumers = graph.consumers()
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        ops = sorted(rng.choice(len(graph.ops), size=len(graph.ops) // 3, replace=False).tolist())
+        a, b = subgraph(graph, ops), subgraph(graph, ops, consumers=consumers)
+        assert a.graph.fingerprint == b.graph.fingerprint and a.outvars == b.outvars and a.invars == b.invars
+    for lay in range(4):
+        ops = PipelineProblem.build(graph, step.cluster).slicing.ops_of([lay])
+        a, b = subgraph(graph, ops), subgraph(graph, ops, consumers=consumers)
+        assert (a.graph.fingerprint, a.invars, a.outvars, a.var_map) == (b.graph.fingerprint, b.invars, b.outvars, b.var_map)
