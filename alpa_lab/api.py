@@ -187,6 +187,7 @@ class ParallelizedStep:
             split_inputs=tuple(p for p, s in zip(graph.in_paths, split) if s),
             planning_seconds={"trace": traced, **problem.seconds},
             problem=problem,
+            max_stages=self.max_stages,
         )
         if pins:
             plan = plan._replan(plan._current_stages(), pins, False)
@@ -389,8 +390,9 @@ class ParallelizedStep:
         """Plan again, from scratch, with the costs ``profile`` measured (``run.profile()``); the plan becomes current.
 
         The step's cluster becomes ``profile.cluster()``. A pipeline plan is re-solved by
-        ``PipelinePlan.recalibrated``; a single-mesh plan is planned again with the last
-        arguments (or ``args``), its pins kept.
+        ``PipelinePlan.recalibrated`` (its ``max_stages``, stage pins and cost model kept); a
+        single-mesh plan is planned again with the last arguments (or ``args``) over the same
+        mesh shapes, with its own method, memory budget and pins. On an error nothing changes.
         """
         plan = self._require_plan()
         if isinstance(plan, PipelinePlan):

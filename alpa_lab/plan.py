@@ -732,6 +732,9 @@ class PipelinePlan:
     schema_version: int = SCHEMA_VERSION
     problem: Any = field(default=None, compare=False, repr=False)
     """the planner state (``passes.pipeline.PipelineProblem``): not saved; ``ParallelizedStep.use`` re-attaches it."""
+    max_stages: int | None = None
+    """the stage DP's bound this plan was solved with (``parallelize(max_stages=)``): saved, so that a
+    re-solve (``unpin_stages``, ``recalibrated``) searches the same space."""
 
     @property
     def num_stages(self) -> int:
@@ -863,7 +866,8 @@ class PipelinePlan:
         interleaved = self.schedule == "interleaved_1f1b"
         _, stages, _ = plan_pipeline(
             problem.graph, ClusterSpec(**self.cluster), num_microbatches=self.num_microbatches,
-            schedule="1f1b" if interleaved else self.schedule, method=self.method, problem=problem,
+            schedule="1f1b" if interleaved else self.schedule, method=self.method, max_stages=self.max_stages,
+            problem=problem,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
         if interleaved:
@@ -875,12 +879,14 @@ class PipelinePlan:
 
         The cluster becomes ``profile.cluster()`` (the fitted compute and communication scales
         and launch and transfer overheads, ``cost.profile``); the stage DP and every stage's ILP
-        run again with it, as ``parallelize(step, cluster=profile.cluster(), ...)`` would plan.
-        Op pins are kept, and stage boundaries too when they were pinned; an interleaved plan
-        is re-planned as 1F1B and interleaved again with as many chunks.
+        run again with it, as ``parallelize(step, cluster=profile.cluster(), ...)`` would plan:
+        the same layering, ``max_stages`` and cost model (a profiling plan's stage timer).
+        Op pins are kept, and the stages too when they were pinned (an interleaved plan's
+        chunks as they are); an unpinned interleaved plan is re-planned as 1F1B and
+        interleaved again with as many chunks.
         """
         from alpa_lab.cost.profile import ProfileError
-        from alpa_lab.passes.pipeline import fixed_stages, interleave, plan_pipeline
+        from alpa_lab.passes.pipeline import PipelineProblem, interleave, plan_pipeline
 
         problem = self._require_problem()
         measured_on = (profile.cluster_spec["hosts"], profile.cluster_spec["devices_per_host"])
@@ -890,16 +896,25 @@ class PipelinePlan:
                 f"but this plan is for {self.cluster['hosts']}x{self.cluster['devices_per_host']}: profile a run of a plan for this cluster"
             )
         cluster = profile.cluster()
-        interleaved = self.schedule == "interleaved_1f1b"
         t0 = time.perf_counter()
-        new_problem, stages, _ = plan_pipeline(
-            problem.graph, cluster, num_microbatches=self.num_microbatches,
-            schedule="1f1b" if interleaved else self.schedule, method=self.method,
-        )
+        # a new problem (its caches hold the old costs) over the same program, reuse and cost model
+        new_problem = PipelineProblem.build(problem.graph, cluster, reuse=problem.reuse)
+        new_problem.stage_timer = problem.stage_timer
         if self.stage_pins:
-            ranges = [[st.layers[0], st.layers[1] - 1] for st in self.stages]
-            chosen = fixed_stages(new_problem, ranges, [st.submesh_shape for st in self.stages], [st.logical_shape for st in self.stages])
+            # the user fixed the stages: keep them as planned (chunks of an interleaved plan share
+            # meshes, which fixed_stages would place apart), and each stage's layout (memory-saving or not)
+            chosen = self._current_stages()
+            if self.method == "alpa":
+                for st in self.stages:
+                    if st.plan.method != self.method:
+                        new_problem.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.plan.method
         else:
+            interleaved = self.schedule == "interleaved_1f1b"
+            _, stages, _ = plan_pipeline(
+                problem.graph, cluster, num_microbatches=self.num_microbatches,
+                schedule="1f1b" if interleaved else self.schedule, method=self.method, max_stages=self.max_stages,
+                problem=new_problem,
+            )
             chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
             if interleaved:
                 chosen = interleave(chosen, self.num_layers, self.num_stages // self.num_meshes)
@@ -1269,7 +1284,7 @@ def _pipeline_plan_from_dict(d: dict) -> PipelinePlan:
             "fingerprint": _text, "method": _text, "cluster": _cluster, "num_microbatches": _integer,
             "schedule": _text, "num_layers": _integer, "stages": _stages, "timeline": _timeline,
             "split_inputs": _array(_text), "stage_pins": _flag, "planning_seconds": _seconds,
-            "schema_version": _integer,
+            "schema_version": _integer, "max_stages": _optional(_integer),
         },
     )
     if plan.schedule not in SCHEDULES:

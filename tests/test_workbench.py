@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import html
 import json
+import threading
 
+import ipywidgets.widgets.widget as widget_registry
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
 import alpa_lab as al
+from alpa_lab.cost.profile import Profile, ProfileRow
 from alpa_lab.models import tiny_example
 from alpa_lab.notebook import views
 from alpa_lab.notebook.workbench import Workbench
 from alpa_lab.passes.schedule import make_schedule
 from alpa_lab.passes.transfers import pipeline_transfers
+from alpa_lab.runtime.monitor import pipeline_parts
 from alpa_lab.sharding.spec import ShardingSpec
 
 LOCAL = al.ClusterSpec.local(hosts=2, devices_per_host=4)
@@ -262,7 +266,8 @@ def test_run_streams_measured_times_and_failures_keep_state(gpt):
     # a failing run (a batch the micro-batches do not divide) keeps the plan and the last result
     bad = jax.tree_util.tree_map(lambda x: x[:3], ex.batch)
     wb.run(state, bad, steps=1, block=True)
-    assert wb.plan is plan and "run failed" in wb.status.value and wb.result[0] is state
+    assert wb.plan is plan and "run 1 failed" in wb.run_status.value and wb.result[0] is state
+    assert "failed" not in wb.status.value and wb.last_error == ""  # the planning status is the edits' own
     with pytest.raises(ValueError, match="no step"):
         Workbench(plan).run(ex.state, ex.batch)
 
@@ -372,3 +377,101 @@ def test_unpin_stages_keeps_interleaving_or_says_why_not(gpt):
     # the DP's own stages for this 4-layer step are 4, too many to cut into 2 chunks each: refused, plan kept
     assert not wb.unpin_stages() and "needs at least 8 layers" in wb.last_error and wb.plan is inter
     step.current_plan = plan
+
+
+# ----- the run sync, figure widgets and undo of a re-plan ----------------------------------------
+
+
+def test_run_sync_leaves_planning_status_and_other_plans_alone(gpt):
+    ex, step, plan = gpt
+    wb = Workbench(plan, step)
+    assert not wb.pin("no_such_op", "RR")
+    refusal, error = wb.status.value, wb.last_error
+    run = wb.run(ex.state, ex.batch, steps=2, block=True)
+    # the run's progress has its own line; the planning status and the refusal stay as the edit left them
+    assert wb.status.value == refusal and wb.last_error == error
+    assert "run 0 finished: step 2/2" in wb.run_status.value and len(wb.measured_steps) == 2
+    # a redraw after the plan changed (the dashboard's thread runs late): the old plan's
+    # measurements are not drawn against the new plan, and the edit's status stays
+    assert wb.set_schedule("gpipe")
+    edited = wb.status.value
+    wb._sync_run(run)
+    assert wb.measured == () and wb.measured_steps == [] and "measured against predicted" not in wb.measured_html.value
+    assert wb.status.value == edited and "earlier plan" in wb.run_status.value
+    # back on the run's plan, its measurements are its own again
+    assert wb.undo() and wb.plan is run.plan
+    wb._sync_run(run)
+    assert len(wb.measured_steps) == 2 and "measured against predicted" in wb.measured_html.value
+    # the sync waits for an edit in progress (the lock) instead of writing under it
+    wb.measured_steps = []
+    with wb._lock:
+        sync = threading.Thread(target=wb._sync_run, args=(run,))
+        sync.start()
+        sync.join(0.5)
+        assert sync.is_alive() and wb.measured_steps == []
+    sync.join(10)
+    assert not sync.is_alive() and len(wb.measured_steps) == 2
+    step.current_plan = plan
+
+
+def test_redraws_close_the_figure_widgets_they_replace(gpt):
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    wb.refresh()
+    live = len(widget_registry._instances)
+    graph, timeline = wb._graph_widget, wb.timeline_box.children[0]
+    for _ in range(3):
+        wb._draw_timeline()
+        wb._draw_graph()
+        wb.refresh()
+    assert len(widget_registry._instances) == live
+    assert graph.comm is None and timeline.comm is None  # closed: gone from the kernel
+    assert wb._graph_widget.comm is not None and all(w.comm is not None for w in wb.timeline_box.children)
+    assert wb.overview_measured in wb.overview_box.children and wb.overview_measured.comm is not None
+
+
+class _MeasuredRun:
+    """A run that measured ``profile`` (what ``Workbench.recalibrate`` reads of a run)."""
+
+    def __init__(self, profile: Profile):
+        self._profile = profile
+
+    def profile(self) -> Profile:
+        return self._profile
+
+
+def _synthetic(plan, a: float, b: float, c: float) -> Profile:
+    """A profile whose measurements are exactly a x compute + b x communication + c per launch."""
+    cluster = al.ClusterSpec(**plan.cluster)
+    rows = []
+    for (stage, kind, phase), p in sorted(pipeline_parts(plan).items()):
+        if phase not in ("forward", "backward", "apply") or not (p.compute or p.communication):
+            continue
+        rows.append(ProfileRow(stage, kind, phase, p, p.seconds(cluster), a * p.compute + b * p.communication + c * p.launches, 10))
+    return Profile(plan.fingerprint, dict(plan.cluster), tuple(rows), 10, plan.estimated_step_time, 0.0)
+
+
+def test_undo_of_a_replan_gives_the_step_back_its_cluster_and_planner_state(gpt):
+    ex, step, plan = gpt
+    before = step.plan(ex.state, ex.batch)  # the DP's plan on the step's own cluster
+    cluster, problem = step.cluster, step._problems[plan.fingerprint]
+    step.current_plan = plan
+    wb = Workbench(plan, step)
+    prof = _synthetic(plan, 5.0, 1.0, 0.0)
+    try:
+        assert wb.recalibrate(_MeasuredRun(prof)), wb.last_error
+        assert step.cluster.to_dict() == prof.cluster().to_dict() and step._problems[plan.fingerprint] is wb.plan.problem
+        assert wb.undo() and wb.plan is plan and step.current_plan is plan
+        assert step.cluster is cluster and step._problems[plan.fingerprint] is problem
+        again = step.plan(ex.state, ex.batch)  # plans as before the re-plan
+        assert again._current_stages() == before._current_stages() and again.cluster == before.cluster
+        assert [st.plan for st in again.stages] == [st.plan for st in before.stages] and again.problem is problem
+        step.current_plan = plan
+        state, loss = step(ex.state, ex.batch)  # and compiles and runs the plan undo gave back
+        assert np.isfinite(float(loss))
+        # a re-plan that fails leaves the step as it was
+        other = _synthetic(plan, 5.0, 1.0, 0.0)
+        other = Profile(other.fingerprint, al.ClusterSpec.local(1, 8).to_dict(), other.rows, 10, 0.0, 0.0)
+        assert not wb.recalibrate(_MeasuredRun(other)) and wb.plan is plan and step.cluster is cluster
+    finally:
+        step.cluster, step._problems[plan.fingerprint], step.current_plan = cluster, problem, plan

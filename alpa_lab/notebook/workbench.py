@@ -5,8 +5,10 @@ changes). Every edit goes through the plan's own methods (``pin``, ``unpin``,
 ``pin_stages``, ``with_schedule``), so an edit made with the buttons is exactly the edit
 made in code; the re-solve re-uses whatever the edit did not touch (the plan's caches).
 An edit that fails shows why and keeps the last good plan. ``run`` trains in a background
-thread and streams measured per-stage times into the timeline. Saved notebooks keep a
-static HTML copy of the views (``_repr_mimebundle_``), so they read without the widget.
+thread and streams measured per-stage times into the timeline (only while the run's plan is
+the one shown), with its progress in a status line of its own: the dashboard's thread writes
+there, the edits write the planning status. Saved notebooks keep a static HTML copy of the
+views (``_repr_mimebundle_``), so they read without the widget.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import html
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -36,6 +39,17 @@ _RUNTIME_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
 
 def _figure(fig: go.Figure) -> W.Widget:
     return figure_widget(fig)  # at its tab's width (FitToWidth below the tabs)
+
+
+def _swap(box: W.Box, children: Sequence[W.Widget]) -> None:
+    """Put ``children`` in ``box`` and close the widgets they replace: a figure widget left open
+    stays registered in the kernel (its comm and its data) as long as the kernel lives."""
+    old = box.children
+    box.children = list(children)
+    kept = {id(c) for c in children}
+    for widget in old:
+        if id(widget) not in kept:
+            widget.close()
 
 
 def _parse_ranges(text: str) -> list[list[int]]:
@@ -77,10 +91,14 @@ class Workbench(W.VBox):
     ):
         """``step`` (a ``ParallelizedStep``) runs the edited plan; ``on_change(plan)`` hears of every new plan."""
         super().__init__()
+        self._lock = threading.RLock()
+        """held by edits and by the run sync (the dashboard's thread): the plan, the measurements and the views"""
         self.plan = plan
         self.step = step
         self.on_change = on_change
         self.history: list[Plan | PipelinePlan] = []
+        self._contexts: list[dict[str, Any]] = []
+        """per plan in ``history``: the step's context when it was current (``_step_context``), for undo"""
         self.changes: list[str] = []
         self.last_error = ""
         self.measured: tuple[views.Bar, ...] = ()
@@ -91,6 +109,10 @@ class Workbench(W.VBox):
 
         self.title = W.HTML()
         self.status = W.HTML()
+        """the planning status: what the last edit did, or why it was refused"""
+        self.run_status = W.HTML()
+        """the newest run's progress (written by the dashboard's thread; edits leave it alone)"""
+        self.run_error = ""
         # overview
         self.overview_box = W.VBox()
         self.overview_measured = W.HTML()
@@ -182,7 +204,7 @@ class Workbench(W.VBox):
         self._graph_widget: go.FigureWidget | None = None
         self.tabs.children = (*self.tabs.children, self.graph_box)
         self.tabs.set_title(len(self.tabs.children) - 1, "Graph")
-        self.children = [self.title, self.status, self.tabs, FitToWidth()]
+        self.children = [self.title, self.status, self.run_status, self.tabs, FitToWidth()]
         self.add_class(WORKBENCH_CLASS)  # FitToWidth's style: whole tab titles, explanations that scroll
         self.refresh()
 
@@ -193,6 +215,10 @@ class Workbench(W.VBox):
 
     def refresh(self) -> None:
         """Redraw every view from the current plan."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         t0 = time.perf_counter()
         plan = self.plan
         ov = views.overview(plan)
@@ -201,7 +227,7 @@ class Workbench(W.VBox):
             f"<b>alpa_lab plan</b> ({html.escape(plan.method)}, {kind}): predicted step "
             f"{plan.estimated_step_time * 1e3:.3f} ms, memory/device {render._fmt_bytes(plan.memory_per_device)}"
         )
-        self.overview_box.children = [_figure(render.overview_figure(ov)), self.overview_measured]
+        _swap(self.overview_box, [_figure(render.overview_figure(ov)), self.overview_measured])
         cluster = getattr(self.step, "ray_cluster", None)
         self.backend_html.value = f"runs on {html.escape(repr(cluster))}" if cluster is not None else "runs in this process"
         self._tensors = views.tensors(plan)
@@ -220,16 +246,19 @@ class Workbench(W.VBox):
         self._rows = views.strategy_rows(plan)
         self._fill_ops()
         self._draw_graph()
-        self.changes_html.value = "<br>".join(f"<pre>{html.escape(c)}</pre>" for c in reversed(self.changes)) or "no edits yet"
+        self._show_changes()
         self.refresh_seconds = time.perf_counter() - t0
+
+    def _show_changes(self) -> None:
+        self.changes_html.value = "<br>".join(f"<pre>{html.escape(c)}</pre>" for c in reversed(self.changes)) or "no edits yet"
 
     def _show_tensor(self) -> None:
         name = self.tensor_select.value
         if name not in self._tensors:
-            self.heatmap_box.children = []
+            _swap(self.heatmap_box, [])
             return
         info = views.tensor_info(self.plan, name, self._tensors)
-        self.heatmap_box.children = [_figure(render.heatmap_figure(info, views.sharding_tiles(info)))]
+        _swap(self.heatmap_box, [_figure(render.heatmap_figure(info, views.sharding_tiles(info)))])
 
     def timeline_bars(self) -> tuple[views.Bar, ...]:
         """Predicted bars, then the measured ones of the last run (if any)."""
@@ -238,14 +267,14 @@ class Workbench(W.VBox):
     def _draw_timeline(self) -> None:
         bars = self.timeline_bars()
         if not bars:
-            self.timeline_box.children = [W.HTML("single-mesh plan: no pipeline timeline (plan with microbatches=)")]
+            _swap(self.timeline_box, [W.HTML("single-mesh plan: no pipeline timeline (plan with microbatches=)")])
         else:  # predicted and measured apart: each on its own time scale
             schedule = f"{self.plan.schedule}, {self.plan.num_microbatches} micro-batches" if self.pipelined else ""
-            self.timeline_box.children = [
+            _swap(self.timeline_box, [
                 _figure(render.timeline_figure(part, f"{source}: {schedule}"))
                 for source in ("predicted", "measured")
                 if (part := [b for b in bars if b.source == source])
-            ]
+            ])
         self.measured_html.value = self.overview_measured.value = self._measured_table()
 
     def _measured_table(self) -> str:
@@ -267,17 +296,17 @@ class Workbench(W.VBox):
 
     def _draw_traffic(self) -> None:
         if not self.pipelined:
-            self.traffic_box.children = [W.HTML("single-mesh plan: no cross-mesh traffic")]
+            _swap(self.traffic_box, [W.HTML("single-mesh plan: no cross-mesh traffic")])
             self.traffic_cell.options = []
             return
         tr = views.traffic(self.plan)
         self._traffic = tr
         meshes = [f"mesh {i}" for i in range(len(tr.mesh_bytes))]
         hosts = [f"host {i}" for i in range(len(tr.host_bytes))]
-        self.traffic_box.children = [
+        _swap(self.traffic_box, [
             _figure(render.traffic_figure(tr.mesh_bytes, meshes, "bytes per step between meshes")),
             _figure(render.traffic_figure(tr.host_bytes, hosts, "bytes per step between hosts")),
-        ]
+        ])
         self.traffic_cell.options = [(f"mesh {a} -> mesh {b}: {render._fmt_bytes(tr.mesh_bytes[a][b])}", (a, b)) for a, b in tr.cells]
         if tr.cells and self.traffic_cell.value not in tr.cells:
             self.traffic_cell.value = max(tr.cells, key=lambda c: tr.mesh_bytes[c[0]][c[1]])  # the busiest link first
@@ -346,7 +375,7 @@ class Workbench(W.VBox):
             if trace.customdata is not None:  # the nodes: a click selects the op
                 trace.on_click(self._on_graph_click)
         self._graph_widget = fig
-        self.graph_box.children = [fig]
+        _swap(self.graph_box, [fig])
 
     def _on_graph_click(self, trace: Any, points: Any, _state: Any) -> None:
         if points.point_inds:
@@ -390,33 +419,55 @@ class Workbench(W.VBox):
         return False
 
     def _edit(self, what: str, make: Callable[[Plan | PipelinePlan], Plan | PipelinePlan]) -> bool:
-        """Apply an edit; on failure keep the current plan and show why."""
-        old = self.plan
-        t0 = time.perf_counter()
-        result: list[Any] = []
-        if not self._guard(lambda: result.append(make(old))):
-            return False
-        new = result[0]
-        solve = time.perf_counter() - t0
-        self.history.append(old)
-        self._make_current(new)
-        d = new.diff(old)
-        self.changes.append(f"{what}\n{d}")
-        self.last_error = ""
-        self.refresh()
-        self.status.value = (
-            f'<span style="color:#070">{html.escape(what)}: predicted step {old.estimated_step_time * 1e3:.3f} ms -> '
-            f"{new.estimated_step_time * 1e3:.3f} ms (re-solved in {solve:.2f} s, views in {self.refresh_seconds:.2f} s)</span>"
-        )
-        return True
+        """Apply an edit; on failure keep the current plan (and the step as it was) and show why."""
+        with self._lock:
+            old = self.plan
+            context = self._step_context()
+            t0 = time.perf_counter()
+            result: list[Any] = []
+            if not self._guard(lambda: result.append(make(old))):
+                self._restore_context(context)
+                return False
+            new = result[0]
+            solve = time.perf_counter() - t0
+            self.history.append(old)
+            self._contexts.append(context)
+            self._make_current(new)
+            d = new.diff(old)
+            self.changes.append(f"{what}\n{d}")
+            self.last_error = ""
+            self.refresh()
+            self.status.value = (
+                f'<span style="color:#070">{html.escape(what)}: predicted step {old.estimated_step_time * 1e3:.3f} ms -> '
+                f"{new.estimated_step_time * 1e3:.3f} ms (re-solved in {solve:.2f} s, views in {self.refresh_seconds:.2f} s)</span>"
+            )
+            return True
+
+    def _step_context(self) -> dict[str, Any]:
+        """What an edit may change on the step besides its current plan: ``step.recalibrate`` gives it
+        the fitted cluster and caches the planner state planned on it. Undo gives them back, so the
+        step plans (and compiles) as it did with the plan undo returns to."""
+        if self.step is None:
+            return {}
+        context: dict[str, Any] = {}
+        if hasattr(self.step, "cluster"):
+            context["cluster"] = self.step.cluster
+        if isinstance(getattr(self.step, "_problems", None), dict):
+            context["_problems"] = dict(self.step._problems)
+        return context
+
+    def _restore_context(self, context: dict[str, Any]) -> None:
+        for name, value in context.items():
+            setattr(self.step, name, dict(value) if isinstance(value, dict) else value)
 
     def _make_current(self, plan: Plan | PipelinePlan) -> None:
-        self.plan = plan
-        self.measured, self.measured_steps = (), []  # they were measured on the previous plan
-        if self.step is not None:
-            self.step.current_plan = plan  # calling the step now runs this plan
-        if self.on_change is not None:
-            self.on_change(plan)
+        with self._lock:
+            self.plan = plan
+            self.measured, self.measured_steps = (), []  # they were measured on the previous plan
+            if self.step is not None:
+                self.step.current_plan = plan  # calling the step now runs this plan
+            if self.on_change is not None:
+                self.on_change(plan)
 
     def pin(self, op: str, strategy: str) -> bool:
         """Fix ``op`` to ``strategy`` and re-solve (only its stage, for a pipeline plan)."""
@@ -443,14 +494,19 @@ class Workbench(W.VBox):
         return self._edit(f"schedule {schedule}", lambda p: p.with_schedule(schedule))
 
     def undo(self) -> bool:
-        if not self.history:
-            return self._refuse("nothing to undo")
-        self._make_current(self.history.pop())
-        self.last_error = ""
-        self.changes.append("undo")
-        self.refresh()
-        self.status.value = "undone"
-        return True
+        """Go back to the previous plan, and the step to how it was with it (its cluster and planner state)."""
+        with self._lock:
+            if not self.history:
+                return self._refuse("nothing to undo")
+            plan = self.history.pop()
+            if len(self._contexts) > len(self.history):
+                self._restore_context(self._contexts.pop())
+            self._make_current(plan)
+            self.last_error = ""
+            self.changes.append("undo")
+            self.refresh()
+            self.status.value = "undone"
+            return True
 
     def _on_schedule(self, change: dict) -> None:
         if getattr(self, "_setting_schedule", False) or not self.pipelined or change["new"] == self.plan.schedule:
@@ -483,22 +539,25 @@ class Workbench(W.VBox):
 
         if self.step is None:
             raise ValueError("this workbench has no step to run: make it with Workbench(plan, step)")
-        if self.runs and self.runs[-1].running:
-            raise ValueError("a run is already in progress; stop it (run.stop()) or wait for it (run.wait())")
-        run = TrainingRun(self.step, state, batches, steps=steps, update=update, start=False)
-        dash = Dashboard(run, follow=False)
-        dash.on_update = lambda _s, run=run: self._sync_run(run)
-        self.runs.append(run)
-        self.dashboards.append(dash)
-        self.last_error = ""
-        self.measured, self.measured_steps = (), []
-        with self.run_select.hold_sync():
-            self.run_select.options = [(f"run {i} ({r.steps} steps)", i) for i, r in enumerate(self.runs)]
-            self.run_select.value = len(self.runs) - 1
-        self._show_dashboard()
-        run.start()
-        dash.follow()
-        return run
+        with self._lock:
+            if self.runs and self.runs[-1].running:
+                raise ValueError("a run is already in progress; stop it (run.stop()) or wait for it (run.wait())")
+            self.step.current_plan = self.plan  # the plan shown is the one that runs (and is measured)
+            run = TrainingRun(self.step, state, batches, steps=steps, update=update, start=False)
+            dash = Dashboard(run, follow=False)
+            dash.on_update = lambda _s, run=run: self._sync_run(run)
+            self.runs.append(run)
+            self.dashboards.append(dash)
+            self.run_error = ""
+            self.run_status.value = f"run {len(self.runs) - 1}: starting ({steps} steps)"
+            self.measured, self.measured_steps = (), []
+            with self.run_select.hold_sync():
+                self.run_select.options = [(f"run {i} ({r.steps} steps)", i) for i, r in enumerate(self.runs)]
+                self.run_select.value = len(self.runs) - 1
+            self._show_dashboard()
+            run.start()
+            dash.follow()  # its redraws wait for this lock: they sync once launch is done
+            return run
 
     @property
     def dashboard(self) -> Any:
@@ -511,27 +570,42 @@ class Workbench(W.VBox):
             self.dashboard_box.children = [self.dashboards[i]]
 
     def _sync_run(self, run: Any) -> None:
-        """The run's measurements into the timeline and the measured table (called on each dashboard redraw)."""
-        steps = run.monitor.steps()
-        self.measured_steps = [r.seconds for r in steps]
-        events = run.monitor.snapshot(recent=1).events
-        if steps and events:
-            last = steps[-1].step
-            if self.pipelined:
-                self.measured = views.event_bars([e for e in events if e.step == last])
-            else:  # one bar per step, from the first step kept in the window
-                self.measured = views.event_bars(events)
-        if run.result is not None:
-            self.result = run.result
-        if run.status == "failed":
-            self.last_error = run.error
-            self.status.value = f'<span style="color:#c00">run failed: {html.escape(run.error)} (plan and last state kept)</span>'
-        elif steps:
-            self.status.value = f"{run.status}: step {len(steps)}/{run.steps}, {steps[-1].seconds * 1e3:.1f} ms"
-        now = time.monotonic()
-        if not run.running or now - self._timeline_drawn > TIMELINE_EVERY:  # plotly figures cost: not on every redraw
-            self._timeline_drawn = now
-            self._draw_timeline()
+        """The run's progress into the run status line and, while it runs the plan shown, its
+        measurements into the timeline and the measured table.
+
+        Called on each dashboard redraw, from the dashboard's thread: it waits for an edit in
+        progress (the lock), and leaves the planning status and refusals to the edits.
+        """
+        snap = run.monitor.snapshot(recent=0)  # steps, events and the count, read together
+        steps = snap.recent
+        with self._lock:
+            if run.result is not None:
+                self.result = run.result
+            name = f"run {self.runs.index(run)}" if run in self.runs else "run"
+            current = run.plan is self.plan
+            if run.status == "failed":
+                self.run_error = run.error
+                self.run_status.value = (
+                    f'<span style="color:#c00">{name} failed: {html.escape(run.error)} (plan and last state kept)</span>'
+                )
+            elif snap.steps_done and steps:
+                self.run_status.value = (
+                    f"{name} {run.status}: step {snap.steps_done}/{run.steps}, {steps[-1].seconds * 1e3:.1f} ms"
+                    + ("" if current else " (an earlier plan: its measurements are not shown against this one)")
+                )
+            if not current:
+                return
+            self.measured_steps = [r.seconds for r in steps]
+            if steps and snap.events:
+                last = steps[-1].step
+                if self.pipelined:
+                    self.measured = views.event_bars([e for e in snap.events if e.step == last])
+                else:  # one bar per step, from the first step kept in the window
+                    self.measured = views.event_bars(snap.events)
+            now = time.monotonic()
+            if not run.running or now - self._timeline_drawn > TIMELINE_EVERY:  # plotly figures cost: not on every redraw
+                self._timeline_drawn = now
+                self._draw_timeline()
 
     def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> Any:
         """``launch`` with the step's arguments as given (``wb.run(state, batch, steps=3)``); ``block`` waits for it.
@@ -575,29 +649,30 @@ class Workbench(W.VBox):
             prof = run.profile()
         except ValueError as err:
             return self._refuse(str(err))
-        old = self.plan
-        if self.step is not None:
-            ok = self._edit(f"re-plan with the costs run {self.runs.index(run) if run in self.runs else '?'} measured",
-                            lambda p: self.step.recalibrate(prof))
-        else:
-            ok = self._edit("re-plan with measured costs", lambda p: p.recalibrated(prof))
-        if not ok:
-            return False
-        note = (
-            f"measured step {prof.step_measured * 1e3:.3f} ms; re-solved plan predicts "
-            f"{self.plan.estimated_step_time * 1e3:.3f} ms with the measured costs"
-        )
-        if isinstance(old, PipelinePlan) and self.pipelined:
-            try:
-                kept = self.plan.pin_stages([[st.layers[0], st.layers[1] - 1] for st in old.stages],
-                                            [st.submesh_shape for st in old.stages], [st.logical_shape for st in old.stages])
-                note += f", the previous stages {kept.estimated_step_time * 1e3:.3f} ms"
-            except ValueError:
-                pass
-        self.changes[-1] += "\n" + note
-        self.refresh()
-        self.status.value += f"<br>{html.escape(note)}"
-        return True
+        with self._lock:
+            old = self.plan
+            if self.step is not None:
+                ok = self._edit(f"re-plan with the costs run {self.runs.index(run) if run in self.runs else '?'} measured",
+                                lambda p: self.step.recalibrate(prof))
+            else:
+                ok = self._edit("re-plan with measured costs", lambda p: p.recalibrated(prof))
+            if not ok:
+                return False
+            note = (
+                f"measured step {prof.step_measured * 1e3:.3f} ms; re-solved plan predicts "
+                f"{self.plan.estimated_step_time * 1e3:.3f} ms with the measured costs"
+            )
+            if isinstance(old, PipelinePlan) and self.pipelined:
+                try:
+                    kept = self.plan.pin_stages([[st.layers[0], st.layers[1] - 1] for st in old.stages],
+                                                [st.submesh_shape for st in old.stages], [st.logical_shape for st in old.stages])
+                    note += f", the previous stages {kept.estimated_step_time * 1e3:.3f} ms"
+                except ValueError:
+                    pass
+            self.changes[-1] += "\n" + note
+            self._show_changes()
+            self.status.value += f"<br>{html.escape(note)}"
+            return True
 
     # ----- export ----------------------------------------------------------------------
     def save(self, path: str | Path) -> bool:
