@@ -1,6 +1,7 @@
 """Calibration (issue 10, part 3): the cost model measured on this process's devices.
 
-Oracles: the saved file round-trips and ``ClusterSpec.local`` picks it up; bad files are
+Oracles: the saved file round-trips and ``ClusterSpec.local`` picks it up (one file per cluster
+shape and runtime: in this process or on Ray mesh workers); bad files are
 refused by name; and the predicted stage seconds of the tiny models move from the V100
 preset's (100x too fast for simulated CPU devices) to the measured times' order: the
 comparison is against the in-process pipeline runtime's own per-task timings.
@@ -16,7 +17,7 @@ import statistics
 import pytest
 
 import alpa_lab as al
-from alpa_lab.cost.calibrate import calibration_path, load_calibration
+from alpa_lab.cost.calibrate import Calibration, calibration_path, load_calibration
 from alpa_lab.cost.cluster import ClusterError
 from alpa_lab.models import tiny_example
 
@@ -41,8 +42,12 @@ def test_calibration_measures_and_is_reused(calibrated):
     assert spec.op_overhead >= 0 and spec.intra_host_latency > 0 and spec.intra_host_bandwidth > 0
     preset = al.ClusterSpec.local(2, 4, calibrated=False)
     assert spec.device_flops < preset.device_flops / 10  # simulated CPU devices are far slower than a V100
-    saved = load_calibration(calibration_path("cpu", 8))
+    saved = load_calibration(calibration_path("cpu", 2, 4))
     assert saved.num_devices == 4 and saved.device_flops == spec.device_flops  # one host measured, saved for 2x4
+    assert (saved.hosts, saved.devices_per_host, saved.runtime) == (2, 4, "process")
+    # the batch's copy to the devices is measured too (a CPU's memcpy, not the preset's PCIe link)
+    assert saved.host_to_device_bandwidth > 0 and spec.host_to_device_bandwidth == saved.host_to_device_bandwidth
+    assert spec.host_to_device_bandwidth != preset.host_to_device_bandwidth
     # a local cluster of the same size plans with the saved numbers; another size has none and says so
     again = al.ClusterSpec.local(2, 4)
     assert (again.device_flops, again.op_overhead, again.inter_host_bandwidth) == (
@@ -52,6 +57,46 @@ def test_calibration_measures_and_is_reused(calibrated):
         al.ClusterSpec.local(1, 2, calibrated=True)
     with pytest.raises(ClusterError, match="cannot calibrate 4x4 devices: JAX sees 8"):
         al.ClusterSpec.calibrate(4, 4)
+
+
+def _fake(runtime: str, hosts: int, per_host: int, flops: float, **kw) -> Calibration:
+    return Calibration("cpu", hosts * per_host, flops, 1e9, 1e-6, 1e-5, 1e9, 1e-6, hosts=hosts, devices_per_host=per_host,
+                       runtime=runtime, **kw)
+
+
+def test_calibrations_are_kept_per_shape_and_runtime(tmp_path, monkeypatch):
+    """1x8 in one process, 2x4 in one process and 2x4 on Ray: three files; each lookup finds its own."""
+    monkeypatch.setenv("ALPA_LAB_CACHE", str(tmp_path))
+    paths = {
+        ("process", 1, 8): calibration_path("cpu", 1, 8),
+        ("process", 2, 4): calibration_path("cpu", 2, 4, "process"),
+        ("ray", 2, 4): calibration_path("cpu", 2, 4, "ray"),
+    }
+    assert len(set(paths.values())) == 3
+    _fake("ray", 2, 4, 3e9, inter_host_bandwidth=5e8, host_to_device_bandwidth=2e9).save(paths[("ray", 2, 4)])
+    # only the Ray one: every lookup of 2x4 uses it (the in-process 1x8 has none)
+    assert al.ClusterSpec.local(2, 4).device_flops == 3e9
+    assert al.ClusterSpec.local(2, 4, runtime="ray").inter_host_bandwidth == 5e8
+    assert al.ClusterSpec.local(2, 4).host_to_device_bandwidth == 2e9
+    assert al.ClusterSpec.local(1, 8) == al.ClusterSpec.local(1, 8, calibrated=False)
+    _fake("process", 1, 8, 1e9).save(paths[("process", 1, 8)])
+    _fake("process", 2, 4, 2e9).save(paths[("process", 2, 4)])
+    assert al.ClusterSpec.local(1, 8).device_flops == 1e9
+    # each runtime's lookup comes first for its own kind of run; the saved Ray file was not overwritten
+    assert al.ClusterSpec.local(2, 4).device_flops == 2e9
+    assert al.ClusterSpec.local(2, 4, runtime="ray").device_flops == 3e9
+    assert load_calibration(paths[("ray", 2, 4)]).inter_host_bandwidth == 5e8
+    # not measured: the spec's own host-to-device bandwidth stays
+    assert al.ClusterSpec.local(2, 4).host_to_device_bandwidth == al.ClusterSpec.local(2, 4, calibrated=False).host_to_device_bandwidth
+    # a file of the old naming (the device count alone: 2x4 or 1x8? Ray or not?) is ignored
+    old = tmp_path / "calibration-cpu-4.json"
+    old.write_text(paths[("process", 2, 4)].read_text())
+    assert al.ClusterSpec.local(1, 4) == al.ClusterSpec.local(1, 4, calibrated=False)
+    with pytest.raises(ClusterError, match=r"no calibration for 4 CPU devices \(1 hosts x 4\)"):
+        al.ClusterSpec.local(1, 4, calibrated=True)
+    with pytest.raises(ClusterError, match="runtime must be one of"):
+        calibration_path("cpu", 2, 4, "threads")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # saved atomically
 
 
 def test_bad_calibration_files_are_refused(tmp_path):

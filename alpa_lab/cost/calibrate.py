@@ -16,16 +16,28 @@ them at once* (so devices that share cores are measured sharing them), and retur
 - ``intra_host_bandwidth`` and ``intra_host_latency``: an all-reduce over the devices at
   two sizes, solved for the ring formula's alpha and beta (``cost.cluster``).
 
+- ``host_to_device_bandwidth``: a batch-sized host array put on the devices, each device
+  receiving its tile (what the planner charges a batch argument every step).
+
 On one process all devices share one host, so the inter-host link is measured as the same
-as the intra-host one; ``transfer_seconds`` fits a Ray cluster's host-to-host transfer
+as the intra-host one; ``fit_transfer`` fits a Ray cluster's host-to-host transfer
 (``RayCluster.calibrate`` runs both on its mesh workers).
+
+A calibration is kept per platform, cluster shape (hosts x devices per host) and runtime
+(``calibration_path``): ``"process"`` for ``ClusterSpec.calibrate`` (every device in this
+process, the inter-host link taken as the intra-host one) and ``"ray"`` for
+``RayCluster.calibrate`` (mesh workers, the host-to-host link measured), so the two never
+overwrite each other. Files of the older naming (``calibration-cpu-8.json``, keyed by the
+device count alone, which could not tell 2x4 from 1x8 or Ray from one process) are ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,9 +47,11 @@ import numpy as np
 
 from alpa_lab.cost.cluster import ClusterError, ClusterSpec
 
-__all__ = ["Calibration", "calibrate", "calibration_path", "fit_transfer", "load_calibration"]
+__all__ = ["RUNTIMES", "Calibration", "calibrate", "calibration_path", "find_calibration", "fit_transfer", "load_calibration"]
 
 FORMAT = "alpa_lab.calibration/1"
+RUNTIMES = ("process", "ray")
+"""where a calibration was measured: all devices in one process (``ClusterSpec.calibrate``) or on Ray mesh workers"""
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,12 @@ class Calibration:
     inter_host_latency: float | None = None
     transfer_overhead: float | None = None
     """the fixed cost of one cross-mesh message between mesh workers (the transfer's alpha)"""
+    host_to_device_bandwidth: float | None = None
+    """bytes/s of a host array put on the devices, per device's tile (None: not measured, the spec's own kept)"""
+    hosts: int | None = None
+    """the cluster shape and runtime it was saved for (None: not recorded, an older file)"""
+    devices_per_host: int | None = None
+    runtime: str | None = None
 
     def apply(self, spec: ClusterSpec) -> ClusterSpec:
         """``spec`` with the measured numbers in place of its own (hosts and memory stay)."""
@@ -72,18 +92,48 @@ class Calibration:
             inter_host_bandwidth=self.inter_host_bandwidth or self.intra_host_bandwidth,
             inter_host_latency=self.intra_host_latency if self.inter_host_latency is None else self.inter_host_latency,
             transfer_overhead=spec.transfer_overhead if self.transfer_overhead is None else self.transfer_overhead,
+            host_to_device_bandwidth=spec.host_to_device_bandwidth if not self.host_to_device_bandwidth else self.host_to_device_bandwidth,
             name=f"{spec.name} (calibrated)" if "calibrated" not in spec.name else spec.name,
         )
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"format": FORMAT, **self.__dict__}, indent=1))
+        """Write the calibration atomically (a temporary file in the same folder, then a rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"format": FORMAT, **self.__dict__}, indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
-def calibration_path(platform: str, num_devices: int) -> Path:
-    """Where the calibration of this platform and device count is kept (``$ALPA_LAB_CACHE`` or ~/.cache/alpa_lab)."""
+def calibration_path(platform: str, hosts: int, devices_per_host: int, runtime: str = "process") -> Path:
+    """Where the calibration of this platform, cluster shape and runtime is kept (``$ALPA_LAB_CACHE`` or ~/.cache/alpa_lab).
+
+    ``runtime``: "process" (``ClusterSpec.calibrate``, every device in this process) or "ray"
+    (``RayCluster.calibrate``, measured on mesh workers, the host-to-host link included).
+    """
+    if runtime not in RUNTIMES:
+        raise ClusterError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ClusterError(f"{name} must be a positive integer, got {v!r}")
     root = Path(os.environ.get("ALPA_LAB_CACHE") or Path.home() / ".cache" / "alpa_lab")
-    return root / f"calibration-{platform}-{num_devices}.json"
+    return root / f"calibration-{platform}-{hosts}x{devices_per_host}-{runtime}.json"
+
+
+def find_calibration(platform: str, hosts: int, devices_per_host: int, prefer: str = "process") -> Path | None:
+    """The saved calibration for this shape: the ``prefer`` runtime's, else the other runtime's, else None."""
+    order = (prefer, *(r for r in RUNTIMES if r != prefer))
+    for runtime in order:
+        path = calibration_path(platform, hosts, devices_per_host, runtime)
+        if path.is_file():
+            return path
+    return None
 
 
 def load_calibration(path: str | os.PathLike) -> Calibration:
@@ -110,6 +160,18 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _fastest_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return max(min(times), 1e-9)
 
 
 def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
@@ -164,6 +226,13 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     else:
         intra_bw, intra_lat = bandwidth, 1e-6
 
+    # host to device: a host array (4 MiB per device: smaller ones may be aliased, not copied) put on the devices,
+    # each receiving its tile, as a batch argument is every step; a tile's bytes over the seconds (the planner
+    # charges tile / bandwidth); the fastest of the repeats, as for the host link: other work only adds time
+    h2d_elems = 1 << 20
+    host = np.random.default_rng(2).standard_normal((n, h2d_elems), dtype=np.float32)
+    h2d = 4 * h2d_elems / _fastest_seconds(lambda: jax.device_put(host, per_device), repeats)
+
     # per-program cost: launching a tiny program on the devices and waiting for it (a unit task's fixed cost)
     tiny = spread((8,))
     bump = jax.jit(lambda y: y + 1.0, out_shardings=per_device)
@@ -183,6 +252,7 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
         intra_host_bandwidth=float(intra_bw),
         intra_host_latency=float(intra_lat),
         seconds=time.perf_counter() - t_start,
+        host_to_device_bandwidth=float(h2d),
     )
 
 

@@ -78,29 +78,36 @@ class ClusterSpec:
 
     # ----- constructors ----------------------------------------------------------------
     @classmethod
-    def local(cls, hosts: int = 1, devices_per_host: int = 4, *, calibrated: bool | None = None) -> ClusterSpec:
+    def local(
+        cls, hosts: int = 1, devices_per_host: int = 4, *, calibrated: bool | None = None, runtime: str = "process"
+    ) -> ClusterSpec:
         """Simulated CPU devices in this process (``--xla_force_host_platform_device_count``).
 
         Without a calibration, costs model a small GPU box (so plans look like plans for real
         hardware) while the program runs on CPU devices for checking numerics and collectives.
-        With one (``ClusterSpec.calibrate(hosts, devices_per_host)`` saved it for this device
-        count), the measured numbers are used, so predicted seconds are local seconds.
+        With one (``ClusterSpec.calibrate(hosts, devices_per_host)`` or a local
+        ``RayCluster(hosts, devices_per_host).calibrate()`` saved it for this shape), the measured
+        numbers are used, so predicted seconds are local seconds.
         ``calibrated``: None uses a saved calibration when there is one; True requires it;
-        False ignores it.
+        False ignores it. ``runtime``: whose calibration comes first, "process" (measured in
+        this process) or "ray" (measured on Ray mesh workers, the host-to-host link included);
+        the other one is used when only it was saved for this shape.
         """
         base = replace(
             PRESETS["p3.8xlarge"], hosts=hosts, devices_per_host=devices_per_host, name=f"local:{hosts}x{devices_per_host}", simulated=True
         )
         if calibrated is False:
             return base
-        from alpa_lab.cost.calibrate import calibration_path, load_calibration
+        from alpa_lab.cost.calibrate import calibration_path, find_calibration, load_calibration
 
-        path = calibration_path("cpu", hosts * devices_per_host)
-        if not path.exists():
+        path = find_calibration("cpu", hosts, devices_per_host, prefer=runtime)
+        if path is None:
             if calibrated:
                 raise ClusterError(
-                    f"no calibration for {hosts * devices_per_host} CPU devices at {path}; run "
-                    f"ClusterSpec.calibrate(hosts={hosts}, devices_per_host={devices_per_host}) first"
+                    f"no calibration for {hosts * devices_per_host} CPU devices ({hosts} hosts x {devices_per_host}) at "
+                    f"{calibration_path('cpu', hosts, devices_per_host, runtime)}; run "
+                    f"ClusterSpec.calibrate(hosts={hosts}, devices_per_host={devices_per_host}) first "
+                    f"(or RayCluster.local({hosts}, {devices_per_host}).calibrate() for the Ray runtime)"
                 )
             return base
         return load_calibration(path).apply(base)
@@ -108,12 +115,14 @@ class ClusterSpec:
     @classmethod
     def calibrate(cls, hosts: int = 1, devices_per_host: int | None = None, *, save: bool = True, repeats: int = 7) -> ClusterSpec:
         """Measure this process's devices (compute rate, memory bandwidth, per-op cost, all-reduce alpha and
-        beta) and return a local cluster that plans with the measurements; saved for ``local()`` to reuse.
+        beta, host-to-device copies) and return a local cluster that plans with the measurements; saved for
+        ``local()`` to reuse.
 
         One host's devices (the first ``devices_per_host``) are measured, all at once: a stage's
         sub-mesh lies within a host in most plans, and simulated CPU devices share the machine's
         cores, so they are measured sharing them as a host's mesh does. The calibration is saved
-        for ``hosts * devices_per_host`` devices (what ``local(hosts, devices_per_host)`` looks up).
+        for ``hosts`` x ``devices_per_host`` in this process (what ``local(hosts, devices_per_host)``
+        looks up first; a Ray cluster's calibration of the same shape is kept apart).
         """
         import jax
 
@@ -124,9 +133,10 @@ class ClusterSpec:
         n = hosts * devices_per_host
         if n < 1 or n > len(have):
             raise ClusterError(f"cannot calibrate {hosts}x{devices_per_host} devices: JAX sees {len(have)} here")
-        result = calibrate(have[:devices_per_host], repeats=repeats)
+        result = replace(calibrate(have[:devices_per_host], repeats=repeats), hosts=hosts, devices_per_host=devices_per_host,
+                         runtime="process")
         if save:
-            result.save(calibration_path(result.platform, n))
+            result.save(calibration_path(result.platform, hosts, devices_per_host, "process"))
         return result.apply(cls.local(hosts, devices_per_host, calibrated=False))
 
     @classmethod

@@ -10,7 +10,9 @@ their shards and sends each receiving host's worker one message (``receive`` on 
 inline or through Ray's object store, never through the driver); a receiving worker
 waits for every region its host needs and assembles its devices' tiles in the
 destination sharding. Every instruction is recorded as an event (RUN, SEND, RECV,
-with its bytes) in this process's wall clock; the driver aligns clocks when it reads them.
+with its bytes) in this process's wall clock, except a RECV's start: when its sender sent it,
+on the sender's clock (``peer``); the driver moves each time to its own clock with the offset
+of the worker whose clock it is (``ray_run.align_events``).
 
 This module imports no Ray and no JAX at import time: the actor sets its device count
 before JAX is first imported in its process.
@@ -81,7 +83,8 @@ class MeshWorker:
 
         self.worker, self.host, self.platform, self.rank = worker, host, platform, rank
         self.num_devices = num_devices
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.RLock())
+        """guards the inbox, the events and the received bytes (re-entrant: ``_record`` takes it inside ``receive``)"""
         self._inbox: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}  # (step, var, tag) -> regions so far
         self._events: list[Event] = []
         self._events_base = 0  # index of self._events[0] among all events (old ones are dropped)
@@ -227,7 +230,7 @@ class MeshWorker:
 
         A big region comes as an object ref, read here with one ``ray.get`` for all of them. The event is filed
         under ``sent_step``, the step whose traffic it is (new state is sent at the end of one
-        step and read in the next).
+        step and read in the next). ``sent_at`` is the sender's clock, the event's end this worker's.
         """
         big = [i for i, (_, a) in enumerate(parts) if type(a).__name__ == "ObjectRef"]
         if big:
@@ -476,7 +479,7 @@ class MeshWorker:
         if stale:
             raise RuntimeError(f"worker {self.worker}: step {step} left received tensors unread: {stale[:5]}")
         reply = {"results": results, "sent": dict(sent), "seconds": time.perf_counter() - t_start}
-        if with_state:
+        if with_state:  # the driver copies the state with a call of its own (``state``), timed apart from the step
             reply["state"] = self.state()
         return reply
 
@@ -486,12 +489,17 @@ class MeshWorker:
             return dict(self._received.get(step, {}))
 
     def _record(self, event: Event) -> None:
-        """Keep an event (the caller holds ``self._cv``); the oldest half goes once there are EVENTS_KEPT."""
-        self._events.append(event)
-        if len(self._events) > EVENTS_KEPT:
-            drop = len(self._events) // 2
-            del self._events[:drop]
-            self._events_base += drop
+        """Keep an event; the oldest half goes once there are EVENTS_KEPT.
+
+        Takes ``self._cv`` itself (re-entrant: ``receive`` records while holding it): the step's thread
+        records RUNs and SENDs while peers' ``receive`` calls and the driver's ``events`` run on others.
+        """
+        with self._cv:
+            self._events.append(event)
+            if len(self._events) > EVENTS_KEPT:
+                drop = len(self._events) // 2
+                del self._events[:drop]
+                self._events_base += drop
 
     # ----- reading back -------------------------------------------------------------------
     def state(self) -> dict[int, np.ndarray]:

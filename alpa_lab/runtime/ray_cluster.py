@@ -98,7 +98,7 @@ class RayCluster:
         for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        spec = spec or ClusterSpec.local(hosts, devices_per_host)
+        spec = spec or ClusterSpec.local(hosts, devices_per_host, runtime="ray")
         if (spec.hosts, spec.devices_per_host) != (hosts, devices_per_host):
             raise ValueError(f"spec is for {spec.hosts}x{spec.devices_per_host} devices but the cluster is {hosts}x{devices_per_host}")
         ray = _ray()
@@ -166,7 +166,7 @@ class RayCluster:
             platform = "cpu"
             per_host = devices_per_host or int(min(n["Resources"].get("CPU", 1) for n in nodes))
         hosts = len(nodes)
-        spec = ClusterSpec.preset(preset, hosts=hosts) if preset else ClusterSpec.local(hosts, per_host)
+        spec = ClusterSpec.preset(preset, hosts=hosts) if preset else ClusterSpec.local(hosts, per_host, runtime="ray")
         if spec.devices_per_host != per_host:
             raise RayClusterError(f"preset {preset!r} has {spec.devices_per_host} devices per host but the cluster's nodes have {per_host}")
         if platform == "cpu":
@@ -190,7 +190,8 @@ class RayCluster:
         ``sizes`` bytes that host 0's worker put in its object store (the path a cross-mesh region
         takes), fitted to a line for the host-to-host latency and bandwidth; a cross-mesh message's
         fixed cost (``transfer_overhead``) is that latency plus an actor call's round trip.
-        ``save``: a cluster started here keeps it for ``ClusterSpec.local(hosts, devices_per_host)``.
+        ``save``: a cluster started here keeps it for ``ClusterSpec.local(hosts, devices_per_host)`` and the
+        next ``RayCluster.local`` of this shape (as the "ray" runtime's: an in-process calibration is kept apart).
         """
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -215,7 +216,8 @@ class RayCluster:
         t0 = time.perf_counter()
         try:
             measured = Calibration(**ray.get(workers[0].calibrate.remote(repeats), timeout=600))
-            measured = replace(measured, num_devices=self.hosts * self.devices_per_host)
+            measured = replace(measured, num_devices=self.hosts * self.devices_per_host, hosts=self.hosts,
+                               devices_per_host=self.devices_per_host, runtime="ray")
             if len(workers) == 2:
                 best = []
                 for size in sizes:
@@ -238,7 +240,7 @@ class RayCluster:
             for w in workers:
                 ray.kill(w, no_restart=True)
         if save and self.started_here:
-            measured.save(calibration_path(measured.platform, self.hosts * self.devices_per_host))
+            measured.save(calibration_path(measured.platform, self.hosts, self.devices_per_host, "ray"))
         return measured.apply(self.spec)
 
     def shutdown(self) -> None:

@@ -8,12 +8,21 @@ the workers exchange activations and gradients among themselves and return only 
 step's non-state results (the loss). A worker that dies or raises fails the step at once
 with an error naming its host, worker, mesh and stages; the other workers are stopped, and
 the last state the driver fetched stays available to launch again from.
+
+A step's seconds (``last_step_seconds``, what the monitor compares with the plan's
+prediction) are the step alone: the copy of the state back to the driver (every
+``keep_state_every`` steps) is a separate call after it, timed on its own
+(``last_state_seconds``). Events come back in the driver's clock: each worker's offset to it is
+measured at launch, and a transfer's RECV starts when its sender sent it (the sender's clock)
+and ends when the receiver had it (the receiver's clock).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +33,11 @@ from alpa_lab.runtime.mesh_worker import EVENTS_KEPT, INLINE_BYTES, Event, MeshW
 from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
 
-__all__ = ["LaunchError", "MeshWorkerError", "RayRun", "WorkerInfo", "launch"]
+__all__ = ["LaunchError", "MeshWorkerError", "RayRun", "WorkerInfo", "align_events", "launch"]
 
 
 class LaunchError(ValueError):
-    """The plan cannot be launched on this cluster (nothing was started)."""
+    """The plan cannot be launched on this cluster (nothing was started, or what was started is stopped again)."""
 
 
 class MeshWorkerError(RuntimeError):
@@ -84,10 +93,17 @@ class RayRun:
     last_state: Any = field(default=None, repr=False)
     last_state_step: int = 0
     traffic: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    """per step: {"sent": {(worker, peer): bytes}, "received": {(worker, peer): bytes}, "seconds": ...}"""
+    """per step: {"step", "sent": {(worker, peer): bytes}, "seconds": the slowest worker's own seconds,
+    "step_seconds": the step as the driver saw it, "state_seconds": copying the state back (0: not copied)}"""
+    last_step_seconds: float = 0.0
+    """the last step's seconds on the driver, from sending it to every worker's reply; without the state's copy back"""
+    last_state_seconds: float = 0.0
+    """seconds the last step's copy of the state back to the driver took (0 when that step kept none)"""
     closed: bool = False
     _event_cursor: list[int] = field(default_factory=list, repr=False)
     _events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT), repr=False)
+    _events_lock: Any = field(default_factory=threading.RLock, repr=False)
+    """held while events are polled and read: a dashboard and a training thread may poll at once"""
     _invars: tuple[int, ...] = ()
     _outvars: tuple[int, ...] = ()
 
@@ -106,26 +122,34 @@ class RayRun:
                     f"argument leaf {i} after the state has shape {tuple(np.shape(x))}; the plan was made for {tuple(a.shape)}"
                 )
         batch_vars = self._invars[self.num_state :]
+        t0 = time.perf_counter()
         # a small leaf rides inline in each worker's message; a big one is one object-store copy for all readers
         refs = {v: (a if a.nbytes <= INLINE_BYTES else ray.put(a)) for v, a in ((v, np.asarray(x)) for v, x in zip(batch_vars, leaves))}
         keep = bool(self.keep_state_every) and (self.steps_done + 1) % self.keep_state_every == 0
         calls = []
         for prog, actor in zip(self.programs, self.actors):
             mine = {v: refs[v] for v in batch_vars if v in prog.inputs}
-            calls.append(actor.run_step.remote(self.steps_done, mine, keep))  # the state snapshot rides on the reply
+            calls.append(actor.run_step.remote(self.steps_done, mine))
         replies = self._gather(calls, f"step {self.steps_done}")
+        self.last_step_seconds = time.perf_counter() - t0
         self.steps_done += 1
+        state_seconds = 0.0
+        if keep:  # the state is copied back after the step, timed apart: the step's seconds are the step's alone
+            t1 = time.perf_counter()
+            parts = self._gather([a.state.remote() for a in self.actors], f"copying the state of step {self.steps_done - 1} back")
+            self.last_state = self._assemble_state(parts)
+            self.last_state_step = self.steps_done
+            state_seconds = time.perf_counter() - t1
+        self.last_state_seconds = state_seconds
         sent = {}
         results: dict[int, Any] = dict(self.host_leaves)
         for info, rep in zip(self.workers, replies):
             results.update(rep["results"])
             for peer, n in rep["sent"].items():
                 sent[(info.worker, peer)] = n
-        self.traffic.append({"step": self.steps_done - 1, "sent": sent, "seconds": max(r["seconds"] for r in replies)})
+        self.traffic.append({"step": self.steps_done - 1, "sent": sent, "seconds": max(r["seconds"] for r in replies),
+                             "step_seconds": self.last_step_seconds, "state_seconds": state_seconds})
         del self.traffic[:-TRAFFIC_KEPT]
-        if keep:
-            self.last_state = self._assemble_state([r["state"] for r in replies])
-            self.last_state_step = self.steps_done
         flat = [results[i] for i in range(self.num_state, len(self._outvars))]
         rest = jax.tree_util.tree_unflatten(self._rest_tree, flat)
         return rest[0] if len(rest) == 1 else rest
@@ -194,20 +218,31 @@ class RayRun:
 
     def events(self) -> list[Event]:
         """The workers' instructions so far (the last EVENTS_KEPT), in the driver's clock (readable mid-step)."""
-        self.poll_events()
-        return list(self._events)
+        with self._events_lock:
+            self.poll_events()
+            return list(self._events)
 
     def poll_events(self) -> list[Event]:
-        """The workers' instructions executed since the last poll, in the driver's clock (one message per worker)."""
+        """The workers' instructions executed since the last poll, in the driver's clock (one message per worker).
+
+        Safe to call from several threads: each event is returned by exactly one of the calls.
+        """
         ray = _ray()
         new: list[Event] = []
-        if not self.closed:
-            replies = ray.get([a.events.remote(c) for a, c in zip(self.actors, self._event_cursor)])
+        with self._events_lock:
+            if self.closed:
+                return new
+            try:
+                replies = ray.get([a.events.remote(c) for a, c in zip(self.actors, self._event_cursor)])
+            except Exception:
+                if self.closed:  # closed by another thread meanwhile (a failed step): nothing more to read
+                    return new
+                raise
+            offsets = [w.clock_offset for w in self.workers]
             for k, (cursor, evs) in enumerate(replies):
                 self._event_cursor[k] = cursor
-                off = self.workers[k].clock_offset
-                new.extend(Event(**{**e.__dict__, "start": e.start - off, "end": e.end - off}) for e in evs)
-        self._events.extend(new)
+                new.extend(align_events(evs, offsets, k))
+            self._events.extend(new)
         return new
 
     def memory(self) -> list[Any]:
@@ -249,17 +284,7 @@ class RayRun:
         if self.closed:
             return
         self.closed = True
-        ray = _ray()
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - a dead actor is already gone
-                pass
-        if self.placement_group is not None:
-            try:
-                ray.util.remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001
-                pass
+        _release(_ray(), self.actors, self.placement_group)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -272,6 +297,24 @@ class RayRun:
         self.close()
 
     _rest_tree: Any = field(default=None, repr=False)
+
+
+def align_events(events: Iterable[Event], offsets: Sequence[float], worker: int) -> list[Event]:
+    """``worker``'s events moved to the driver's clock; ``offsets[k]`` is worker k's clock minus the driver's.
+
+    A RECV's start is when its sender sent it, read on the sender's clock (``peer``), its end
+    on the receiver's; both are moved by their own worker's offset. Offsets are estimates
+    (within half a round trip), so a transfer that would end before it starts is cut to start
+    at its end.
+    """
+    own = offsets[worker]
+    out = []
+    for e in events:
+        end = e.end - own
+        sender = e.peer if e.kind == "recv" and 0 <= e.peer < len(offsets) else worker
+        start = min(e.start - offsets[sender], end)
+        out.append(Event(**{**e.__dict__, "start": start, "end": end}))
+    return out
 
 
 TRAFFIC_KEPT = 64
@@ -339,82 +382,12 @@ def launch(
         raise LaunchError(str(e)) from e
     t_export = time.perf_counter() - t1
 
-    t2 = time.perf_counter()
+    # everything that can refuse the plan is checked before anything starts on the cluster
     # one mesh worker per (mesh, host): a mesh within a host is one worker, a mesh spanning hosts a jax.distributed group
     members = [(prog, pl, rank, h) for prog, pl in zip(programs, placements) for rank, h in enumerate(pl.hosts)]
-    bundles = [
-        {"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.devices_on(h))} for _, pl, _, h in members
-    ]
-    pg = ray.util.placement_group(bundles, strategy="PACK")
-    if not pg.wait(timeout_seconds=60):
-        ray.util.remove_placement_group(pg)
-        raise LaunchError(
-            f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s; the cluster has {ray.available_resources()}"
-        )
-    actor_cls = ray.remote(MeshWorker)
-    actors = []
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    for k, (prog, pl, rank, h) in enumerate(members):
-        n = len(pl.devices_on(h))
-        opts: dict[str, Any] = {
-            "num_cpus": 1,
-            "max_concurrency": 8,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
-        }
-        if cluster.platform == "cpu":
-            opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}}
-        else:
-            opts["num_gpus"] = n
-        actors.append(actor_cls.options(**opts).remote(k, h, n, cluster.platform, rank))
-    try:
-        joins = []
-        for prog, pl in zip(programs, placements):
-            if len(pl.hosts) > 1:
-                group = [a for a, m in zip(actors, members) if m[0] is prog]
-                ip = "127.0.0.1" if cluster.started_here else ray.get(group[0].node_ip.remote())
-                port = ray.get(group[0].free_port.remote(ip))
-                joins += [a.join_group.remote(f"{ip}:{port}", len(group)) for a in group]
-        ray.get(joins, timeout=120)
-        infos = ray.get([a.info.remote() for a in actors], timeout=120)
-        offsets = []
-        for a in actors:
-            before = time.time()
-            t_worker = ray.get(a.clock.remote())
-            offsets.append(t_worker - (before + time.time()) / 2)
-    except Exception as e:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        ray.util.remove_placement_group(pg)
-        raise LaunchError(f"the mesh workers did not start: {e}") from e
-    t_start = time.perf_counter() - t2
-
-    t3 = time.perf_counter()
-    invars = tuple(graph.invars)
-    host_state = [np.asarray(x) for x in state_leaves]
-    loads = []
-    state_refs = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state)}
-    peers = {(pl.mesh, h): (k, a) for k, ((_, pl, _, h), a) in enumerate(zip(members, actors))}
-    for (p, _, _, _), a in zip(members, actors):
-        mine = {v: ref for v, ref in state_refs.items() if v in p.inputs or any(v == sv for _, sv, _ in p.state_out)}
-        loads.append(a.load.remote(p, peers, mine))
-    workers = tuple(
-        WorkerInfo(
-            worker=k,
-            mesh=pl.mesh,
-            hosts=(h,),
-            stages=pl.stages,
-            device_ids=pl.devices_on(h),
-            pid=info["pid"],
-            hostname=info["hostname"],
-            devices=tuple(info["devices"]),
-            clock_offset=off,
-        )
-        for k, ((_, pl, _, h), info, off) in enumerate(zip(members, infos, offsets))
-    )
-    programs = tuple(m[0] for m in members)  # per actor, in the order of ``actors`` and ``workers``
+    worker_progs = tuple(m[0] for m in members)  # per actor, in the order of ``actors`` and ``workers``
     host_leaves: dict[int, Any] = {}
-    made = {o for p in programs for o in [*(o for o, _, _ in p.state_out), *(o for _, o in p.results)]}
+    made = {o for p in worker_progs for o in [*(o for o, _, _ in p.state_out), *(o for _, o in p.results)]}
     for i, o in enumerate(graph.outvars):
         if o in made:
             continue
@@ -425,29 +398,104 @@ def launch(
             host_leaves[i] = np.asarray(graph.literals[o])
         elif var.kind == "input" and i >= num_state:
             raise LaunchError(f"result {i} returns an input unchanged; the Ray runtime returns only computed results")
-    run = RayRun(
-        cluster=cluster,
-        plan=plan,
-        programs=programs,
-        workers=workers,
-        actors=actors,
-        placement_group=pg,
-        in_tree=graph.in_tree,
-        out_tree=graph.out_tree,
-        state_tree=state_tree,
-        num_state=num_state,
-        arg_avals=tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
-                        for x in jax.tree_util.tree_leaves(args)),
-        host_leaves=host_leaves,
-        keep_state_every=keep_state_every,
-        step_timeout=step_timeout,
-        _event_cursor=[0] * len(actors),
-        _invars=invars,
-        _outvars=tuple(graph.outvars),
-        _rest_tree=rest_tree,
-    )
-    run._gather(loads, "loading the programs")
-    run.last_state = jax.tree_util.tree_unflatten(state_tree, host_state)
+    bundles = [
+        {"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.devices_on(h))} for _, pl, _, h in members
+    ]
+
+    t2 = time.perf_counter()
+    pg = ray.util.placement_group(bundles, strategy="PACK")
+    actors: list[Any] = []
+    run: RayRun | None = None
+    try:
+        if not pg.wait(timeout_seconds=60):
+            raise LaunchError(
+                f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s; the cluster has {ray.available_resources()}"
+            )
+        actor_cls = ray.remote(MeshWorker)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        for k, (prog, pl, rank, h) in enumerate(members):
+            n = len(pl.devices_on(h))
+            opts: dict[str, Any] = {
+                "num_cpus": 1,
+                "max_concurrency": 8,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
+            }
+            if cluster.platform == "cpu":
+                opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}}
+            else:
+                opts["num_gpus"] = n
+            actors.append(actor_cls.options(**opts).remote(k, h, n, cluster.platform, rank))
+        try:
+            joins = []
+            for prog, pl in zip(programs, placements):
+                if len(pl.hosts) > 1:
+                    group = [a for a, m in zip(actors, members) if m[0] is prog]
+                    ip = "127.0.0.1" if cluster.started_here else ray.get(group[0].node_ip.remote())
+                    port = ray.get(group[0].free_port.remote(ip))
+                    joins += [a.join_group.remote(f"{ip}:{port}", len(group)) for a in group]
+            ray.get(joins, timeout=120)
+            infos = ray.get([a.info.remote() for a in actors], timeout=120)
+            offsets = []
+            for a in actors:
+                before = time.time()
+                t_worker = ray.get(a.clock.remote())
+                offsets.append(t_worker - (before + time.time()) / 2)
+        except Exception as e:
+            raise LaunchError(f"the mesh workers did not start: {e}") from e
+        t_start = time.perf_counter() - t2
+
+        t3 = time.perf_counter()
+        invars = tuple(graph.invars)
+        host_state = [np.asarray(x) for x in state_leaves]
+        loads = []
+        state_refs = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state)}
+        peers = {(pl.mesh, h): (k, a) for k, ((_, pl, _, h), a) in enumerate(zip(members, actors))}
+        for (p, _, _, _), a in zip(members, actors):
+            mine = {v: ref for v, ref in state_refs.items() if v in p.inputs or any(v == sv for _, sv, _ in p.state_out)}
+            loads.append(a.load.remote(p, peers, mine))
+        workers = tuple(
+            WorkerInfo(
+                worker=k,
+                mesh=pl.mesh,
+                hosts=(h,),
+                stages=pl.stages,
+                device_ids=pl.devices_on(h),
+                pid=info["pid"],
+                hostname=info["hostname"],
+                devices=tuple(info["devices"]),
+                clock_offset=off,
+            )
+            for k, ((_, pl, _, h), info, off) in enumerate(zip(members, infos, offsets))
+        )
+        run = RayRun(
+            cluster=cluster,
+            plan=plan,
+            programs=worker_progs,
+            workers=workers,
+            actors=actors,
+            placement_group=pg,
+            in_tree=graph.in_tree,
+            out_tree=graph.out_tree,
+            state_tree=state_tree,
+            num_state=num_state,
+            arg_avals=tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
+                            for x in jax.tree_util.tree_leaves(args)),
+            host_leaves=host_leaves,
+            keep_state_every=keep_state_every,
+            step_timeout=step_timeout,
+            _event_cursor=[0] * len(actors),
+            _invars=invars,
+            _outvars=tuple(graph.outvars),
+            _rest_tree=rest_tree,
+        )
+        run._gather(loads, "loading the programs")
+        run.last_state = jax.tree_util.tree_unflatten(state_tree, host_state)
+    except BaseException:  # whatever failed after the placement group was made: stop what started, free the group
+        if run is not None:
+            run.close()
+        _release(ray, actors, pg)
+        raise
     run.launch_seconds = {
         "compile": t_compile,
         "export": t_export,
@@ -456,3 +504,17 @@ def launch(
         "total": time.perf_counter() - t0,
     }
     return run
+
+
+def _release(ray: Any, actors: Sequence[Any], pg: Any) -> None:
+    """Kill ``actors`` and remove the placement group ``pg`` (each step on its own: one failing stops not the rest)."""
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # noqa: BLE001 - an actor already gone
+            pass
+    if pg is not None:
+        try:
+            ray.util.remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - a group already removed
+            pass

@@ -7,8 +7,17 @@ zeros of the right shapes, and timed (the median of a few runs after a warm-up);
 forward, backward (for zero-bubble schedules B and W) and update times replace the analytic
 ones, and the schedule is simulated again with them. Timings are cached on disk (under
 ``$ALPA_LAB_CACHE`` or ~/.cache/alpa_lab), keyed by the unit task's lowered program (which
-holds the shardings and the mesh shape) and the devices' kind, so re-plans and new sessions
-re-time only what changed. The stage DP's candidates are still priced by the analytic model.
+holds the shardings and the mesh shape) and the hardware and software that timed it (platform,
+device kind and count, the CPU for simulated devices, the jax and jaxlib versions:
+``hardware_key``), so re-plans and new sessions re-time only what changed and a profile taken
+elsewhere is never reused. The stage DP's candidates are still priced by the analytic model.
+
+The cache file is shared by every process that plans: a write merges its new timings into
+what is on disk at that moment (under a lock file where the OS has ``flock``) and replaces the
+file atomically (a unique temporary file in the same folder, then ``os.replace``), so
+concurrent planners neither lose each other's timings nor leave a half-written file. A cache
+that cannot be read or written (a read-only folder, a broken file) costs a warning, never the
+plan: the stages are then timed afresh.
 
 ``stage_timer(split)`` makes the function a ``PipelineProblem`` calls (its ``stage_timer``):
 ``parallelize(..., cost_model="profile")`` sets it, and every plan and re-plan of that step
@@ -17,18 +26,23 @@ uses it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
+import platform
 import statistics
+import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-__all__ = ["profile_cache_path", "stage_timer", "time_stages"]
+__all__ = ["hardware_key", "profile_cache_path", "stage_timer", "time_stages"]
 
 REPEATS = 5
 
@@ -39,20 +53,109 @@ def profile_cache_path() -> Path:
 
 
 def _load_cache(path: Path) -> dict[str, float]:
+    """The timings on disk; a missing file is an empty cache, an unreadable or broken one too (with a warning)."""
     try:
-        data = json.loads(path.read_text())
-        return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
-    except (OSError, ValueError, TypeError):
+        text = path.read_text()
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        warnings.warn(f"cannot read the stage-profile cache {str(path)!r} ({e}); the stages are timed afresh", stacklevel=3)
+        return {}
+    try:
+        data = json.loads(text)
+        return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    except (ValueError, TypeError, AttributeError):
+        return {}  # a half-written file of an older version, or another program's: timed again, then overwritten
 
 
-def _time_task(task: Any, graph: Any, repeats: int, cache: dict[str, float], devices: str) -> tuple[float, bool]:
-    """Median seconds of one unit task on its mesh, and whether it came from the cache."""
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path``.lock while reading, merging and replacing the cache (where flock exists)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: the atomic replace alone (a concurrent write may win)
+        yield
+        return
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _store(path: Path, new: dict[str, float]) -> bool:
+    """Merge ``new`` timings into the cache file atomically; False (and a warning) when it cannot be written."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            merged = {**_load_cache(path), **new}  # what other processes wrote since we read it stays
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f)
+            os.replace(tmp, path)
+            tmp = None
+        return True
+    except OSError as e:
+        warnings.warn(f"cannot write the stage-profile cache {str(path)!r} ({e}); the timings are not kept", stacklevel=3)
+        return False
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_key(devices: Sequence[Any]) -> str:
+    """What a unit task's timing depends on besides its program: the devices that ran it and the software.
+
+    The platform and its version, the devices' kinds and count, the process's device count (simulated CPU
+    devices share the host's cores), for CPU devices the processor and its core count, and the jax and
+    jaxlib versions: a timing taken on other hardware or another jax is never reused.
+    """
+    import jaxlib
+
+    devices = list(devices)
+    d0 = devices[0]
+    client = getattr(d0, "client", None)
+    parts = [
+        f"platform={d0.platform}",
+        f"platform_version={getattr(client, 'platform_version', '')}",
+        f"kinds={','.join(sorted({d.device_kind for d in devices}))}",
+        f"devices={len(devices)}",
+        f"process_devices={jax.device_count()}",
+        f"jax={jax.__version__}",
+        f"jaxlib={getattr(jaxlib, '__version__', '')}",
+    ]
+    if d0.platform == "cpu":
+        parts += [f"cpu={_cpu_model()}", f"cores={os.cpu_count()}", f"machine={platform.machine()}"]
+    return ";".join(parts)
+
+
+def _time_task(task: Any, graph: Any, repeats: int, cache: dict[str, float], hardware: str) -> tuple[float, bool]:
+    """Median seconds of one unit task on its mesh, and whether it came from the cache.
+
+    ``hardware``: the ``hardware_key`` of the process's devices; the task's own mesh (its device count) is in
+    its lowered program and added to the key here too.
+    """
     args = [
         jax.device_put(np.zeros(graph.vars[v].shape, dtype=graph.vars[v].dtype), sh) for v, sh in zip(task.invars, task.in_shardings)
     ]
     text = task.fn.lower(*args).as_text() if hasattr(task.fn, "lower") else repr(task)
-    key = hashlib.sha256(f"{devices}\n{text}".encode()).hexdigest()
+    mesh_devices = len({d for sh in task.in_shardings for d in getattr(sh, "device_set", ())})
+    key = hashlib.sha256(f"{hardware}\nmesh_devices={mesh_devices}\n{text}".encode()).hexdigest()
     if key in cache:
         return cache[key], True
     jax.block_until_ready(task.fn(*args))  # compile and warm up
@@ -71,19 +174,17 @@ def time_stages(compiled: Any, repeats: int = REPEATS, cache_path: Path | None =
 
     path = cache_path or profile_cache_path()
     cache = _load_cache(path)
-    before = len(cache)
-    devices = ",".join(sorted({d.device_kind for m in compiled.meshes for d in m.devices.flat}))
+    before = dict(cache)
+    devices = hardware_key(list({d.id: d for m in compiled.meshes for d in m.devices.flat}.values()))
     out: dict[tuple[int, str], float] = {}
     for key, task in compiled.tasks.items():
         if task.invars or task.outvars:
             out[key] = _time_task(task, compiled.graph, repeats, cache, devices)[0]
     for task in compiled.update:
         out[(task.stage, APPLY)] = out.get((task.stage, APPLY), 0.0) + _time_task(task, compiled.graph, repeats, cache, devices)[0]
-    if len(cache) != before:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(path)
+    new = {k: v for k, v in cache.items() if k not in before}
+    if new:
+        _store(path, new)
     return out
 
 
