@@ -172,10 +172,8 @@ def build_strategy_graph(
         nodes.append(PlanningNode(name, var.kind, strategy_cache[key], var=vid))
 
     unplanned = []
-    op_keys = []
     for op in graph.ops:
         key = _op_key(op, graph)
-        op_keys.append(key)
         if key not in strategy_cache:
             strategy_cache[key] = tuple(strategies_for(op, graph, mesh))
         if not has_rule(op.primitive):
@@ -200,7 +198,7 @@ def build_strategy_graph(
             edges.append(OperandEdge(producer, out, -1 - out_pos, node_of_var[in_var][0], vid))
 
     merged, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
-    group_of_node, ties = _tied(graph, nodes, op_keys, merged, tie_period) if reuse_repeated_blocks else (merged, 0)
+    group_of_node, ties = _tied(graph, nodes, merged, tie_period) if reuse_repeated_blocks else (merged, 0)
     cost_graph = _cost_graph(graph, mesh, nodes, edges, group_of_node, member_map)
     return StrategyGraph(
         mesh=mesh,
@@ -227,9 +225,9 @@ def build_strategy_graph(
     )
 
 
-def _tied(graph: OpGraph, nodes: list[PlanningNode], op_keys: list[tuple], merged: np.ndarray, period: int) -> tuple[np.ndarray, int]:
+def _tied(graph: OpGraph, nodes: list[PlanningNode], merged: np.ndarray, period: int) -> tuple[np.ndarray, int]:
     """Groups after repeated-block tying at ``period``, and how many groups the tying merged."""
-    group_of_node = _tie_repeated_blocks(graph, nodes, op_keys, merged, period)
+    group_of_node = _tie_repeated_blocks(graph, nodes, merged, period)
     return group_of_node, len(set(merged.tolist())) - len(set(group_of_node.tolist()))
 
 
@@ -243,8 +241,7 @@ def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
         return sg
     t0 = time.perf_counter()
     nodes = list(sg.nodes)
-    op_keys = [_op_key(op, graph) for op in graph.ops]
-    group_of_node, ties = _tied(graph, nodes, op_keys, sg.merged_groups, tie_period)
+    group_of_node, ties = _tied(graph, nodes, sg.merged_groups, tie_period)
     cost_graph = _cost_graph(graph, sg.mesh, nodes, list(sg.edges), group_of_node, list(sg.member_map))
     return dataclasses.replace(
         sg, group_of_node=group_of_node, cost_graph=cost_graph, tie_period=tie_period, ties=ties,
@@ -254,6 +251,7 @@ def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
 
 _STRATEGIES: dict[LogicalMesh, dict[tuple, tuple[Strategy, ...]]] = {}
 _RESHARDING_TABLES: dict[LogicalMesh, dict[tuple, np.ndarray]] = {}
+_EDGE_TABLES: dict[LogicalMesh, dict[tuple, tuple]] = {}
 _CACHED_MESHES = 256
 
 
@@ -345,7 +343,7 @@ def _follow_table(
 
 
 def _tie_repeated_blocks(
-    graph: OpGraph, nodes: list[PlanningNode], op_keys: list[tuple], group_of_node: np.ndarray, period: int = 1
+    graph: OpGraph, nodes: list[PlanningNode], group_of_node: np.ndarray, period: int = 1
 ) -> np.ndarray:
     """Give the same op in each repeat of a block one shared strategy choice (TAP).
 
@@ -372,7 +370,8 @@ def _tie_repeated_blocks(
             var = graph.vars[node.var]
             label, key = node.name, (var.shape, var.dtype)
         else:
-            label, key = node.label, op_keys[node.op_index]
+            # ops of one op key share one strategy tuple (built once per key and mesh): its identity is the key
+            label, key = node.label, id(node.strategies)
         if not re.search(r"\d", label):
             continue
         k = rank[(label, key)] = rank.get((label, key), -1) + 1
@@ -412,7 +411,9 @@ def _cost_graph(
         costs[gi] += cost[member_map[n]]
         memory[gi] += mem[member_map[n]]
     tables = _cache(_RESHARDING_TABLES, mesh)
-    edge_tables: dict[tuple, np.ndarray] = {}
+    # kept per mesh across builds (a stage after its layers, a re-tie, the next candidate's stages):
+    # keyed by the strategy tuples' ids, each entry holding the tuples so an id is never reused
+    edge_tables: dict[tuple, tuple] = _cache(_EDGE_TABLES, mesh)
     group_edges: dict[tuple[int, int], np.ndarray] = {}
     for e in edges:
         var = graph.vars[e.var]
@@ -421,14 +422,15 @@ def _cost_graph(
         producer_strategies, consumer_strategies = nodes[e.producer].strategies, nodes[consumer].strategies
         # repeated layers share strategy tuples (see _op_key), so most edges hit this cache
         key = (id(producer_strategies), e.output, id(consumer_strategies), alias, e.operand, var.shape, var.itemsize)
-        if key not in edge_tables:
+        hit = edge_tables.get(key)
+        if hit is None or hit[0] is not producer_strategies or hit[1] is not consumer_strategies:
             src = [s.output_specs[e.output] for s in producer_strategies]
             if alias:
                 dst = [s.output_specs[0] for s in consumer_strategies]
             else:
                 dst = [s.input_specs[e.operand] for s in consumer_strategies]
-            edge_tables[key] = _resharding_table(src, dst, var, mesh, tables)
-        table = edge_tables[key]
+            hit = edge_tables[key] = (producer_strategies, consumer_strategies, _resharding_table(src, dst, var, mesh, tables))
+        table = hit[2]
         lifted = table[np.ix_(member_map[e.producer], member_map[consumer])]
         gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
         if gu == gv:
@@ -457,9 +459,9 @@ def _resharding_table(
             [[resharding(a, b, var.shape, var.itemsize, mesh).cost for b in udst] for a in usrc]
         )
     table = cache[key]
-    si = np.array([usrc.index(s) for s in src])
-    di = np.array([udst.index(s) for s in dst])
-    return table[np.ix_(si, di)]
+    at_src = {s: i for i, s in enumerate(usrc)}
+    at_dst = {s: i for i, s in enumerate(udst)}
+    return table[np.ix_([at_src[s] for s in src], [at_dst[s] for s in dst])]
 
 
 def solve_strategy_graph(
