@@ -15,6 +15,12 @@ micro-batch with abstract (shape-only) state, plans it, and prints:
   boundaries nearest to equal op counts, equal sub-meshes; (d) with ``--no-reuse-up-to``, the
   planning time without repeated-layer reuse (every layer solved on its own).
 
+Every baseline gets the same simulated step as our plan (issue 11 part 3): its best
+configurations by eq. 2 (``--simulate-top``) are each planned stage by stage (update and
+resharding inside a stage included), placed on the cluster, checked against memory (eq. 5)
+and run through the same 1F1B simulator with the boundary transfers, then the update; the
+fastest simulated one is compared with ours. Eq. 2 latencies are printed too, for reference.
+
 Ratios > 1 in the "vs" columns mean our plan is faster. This machine is noisy and has 2 cores:
 read ratios, not absolute seconds.
 
@@ -34,7 +40,8 @@ import alpa_lab as al
 from alpa_lab.api import trace_microbatched
 from alpa_lab.models import gpt_config, make_gpt, make_wide_resnet, wide_resnet_config
 from alpa_lab.passes.inter_op import logical_shapes, pipeline_latency
-from alpa_lab.passes.pipeline import MEMORY_SAVING_METHODS, PipelineProblem, plan_pipeline
+from alpa_lab.passes.inter_op import InterOpError
+from alpa_lab.passes.pipeline import MEMORY_SAVING_METHODS, PipelineProblem, check_memory, plan_pipeline, plan_stages
 from alpa_lab.passes.submesh import place_submeshes, submesh_shapes
 
 # name: (hidden, layers, heads, devices, micro-batches) -- Alpa OSDI'22 Table 4 (GPT-3 family), seq
@@ -68,13 +75,13 @@ def cluster_for(devices: int) -> al.ClusterSpec:
     return al.ClusterSpec.preset("p3.16xlarge", hosts=devices // 8)
 
 
-def fits(problem: PipelineProblem, stages: list, microbatches: int, method: str) -> list[float] | None:
-    """Per-stage t_i if every stage fits memory under 1F1B (eq. 5), else None.
+def fits(problem: PipelineProblem, stages: list, microbatches: int, method: str) -> list[tuple[float, str]] | None:
+    """Per-stage (t_i, layout) if every stage fits memory under 1F1B (eq. 5), else None.
 
     ``method`` "alpa" may fall back per stage to a memory-saving layout (tensor parallel or
     ZeRO-3), as the planner itself does; "megatron" is Megatron's layout only.
     """
-    times = []
+    out = []
     S = len(stages)
     methods = ("alpa", *MEMORY_SAVING_METHODS) if method == "alpa" else (method,)
     for i, (start, end, submesh, logical) in enumerate(stages):
@@ -82,11 +89,46 @@ def fits(problem: PipelineProblem, stages: list, microbatches: int, method: str)
         for m in methods:
             c = problem.stage_cost(start, end, submesh, logical, method=m)
             if c is not None and c.weight_memory + min(S - i, microbatches) * c.activation_memory <= problem.cluster.device_memory:
-                best = c.time if best is None else min(best, c.time)
+                best = (c.time, m) if best is None else min(best, (c.time, m))
         if best is None:
             return None
-        times.append(best)
-    return times
+        out.append(best)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A baseline's configuration: its stages (start, end, sub-mesh, logical mesh), each stage's layout, eq. 2 latency."""
+
+    eq2: float
+    label: str
+    stages: tuple
+    methods: tuple
+
+
+def simulated_step(problem: PipelineProblem, cfg: Config, microbatches: int) -> float:
+    """A baseline's step as our plan's is predicted: each stage planned whole (update and the resharding
+    inside it included), the 1F1B schedule simulated with the boundary transfers, then the update;
+    inf where a stage plan does not fit memory (eq. 5 on the planned stages)."""
+    c = problem.cluster
+    placed = place_submeshes([shape for _, _, shape, _ in cfg.stages], c.hosts, c.devices_per_host)
+    stages = [((a, b), shape, lg, p.device_ids) for (a, b, shape, lg), p in zip(cfg.stages, placed)]
+    megatron_only = set(cfg.methods) == {"megatron"}
+    kept = dict(problem.stage_methods)
+    try:
+        if not megatron_only:  # each stage in the layout eq. 5 chose for it, as the DP's stages are
+            for (layers, shape, lg, _), m in zip(stages, cfg.methods):
+                problem.stage_methods[(layers, shape, lg)] = m
+        results, timeline = plan_stages(
+            problem, stages, num_microbatches=microbatches, schedule="1f1b", method="megatron" if megatron_only else "alpa"
+        )
+        check_memory(results, c)
+    except InterOpError:
+        return math.inf
+    finally:
+        problem.stage_methods.clear()
+        problem.stage_methods.update(kept)
+    return timeline.makespan + max(r.apply_time for r in results)
 
 
 def equal_submesh(cluster: al.ClusterSpec, S: int) -> tuple[int, int] | None:
@@ -104,17 +146,19 @@ def equal_submesh(cluster: al.ClusterSpec, S: int) -> tuple[int, int] | None:
     return shape
 
 
-def best_over_logical(problem, ranges, shape, microbatches, method="alpa") -> float:
+def best_over_logical(problem, ranges, shape, microbatches, label: str, method="alpa") -> Config | None:
     """Equal sub-meshes, the best logical mesh per stage (the intra-op pass's choice)."""
     stages = []
     for start, end in ranges:
         options = [(problem.stage_cost(start, end, shape, lg, method=method), lg) for lg in logical_shapes(shape)]
         options = [(c.time, lg) for c, lg in options if c is not None]
         if not options:
-            return math.inf
+            return None
         stages.append((start, end, shape, min(options)[1]))
     times = fits(problem, stages, microbatches, method)
-    return pipeline_latency(times, microbatches) if times else math.inf
+    if not times:
+        return None
+    return Config(pipeline_latency([t for t, _ in times], microbatches), label, tuple(stages), tuple(m for _, m in times))
 
 
 def equal_ranges(L: int, S: int) -> list[tuple[int, int]] | None:
@@ -124,18 +168,18 @@ def equal_ranges(L: int, S: int) -> list[tuple[int, int]] | None:
     return [(i * k, (i + 1) * k) for i in range(S)]
 
 
-def equal_layer(problem, microbatches: int) -> tuple[float, int]:
-    L, best = problem.slicing.num_layers, (math.inf, 0)
+def equal_layer(problem, microbatches: int) -> list[Config]:
+    L, out = problem.slicing.num_layers, []
     for S in range(1, min(L, problem.cluster.num_devices) + 1):
         shape, ranges = equal_submesh(problem.cluster, S), equal_ranges(L, S)
         if shape and ranges:
-            best = min(best, (best_over_logical(problem, ranges, shape, microbatches), S))
-    return best
+            out.append(best_over_logical(problem, ranges, shape, microbatches, f"S={S}"))
+    return sorted((c for c in out if c), key=lambda c: c.eq2)
 
 
-def equal_operator(problem, microbatches: int) -> tuple[float, int]:
+def equal_operator(problem, microbatches: int) -> list[Config]:
     """Boundaries at the layer boundaries nearest to equal op counts per stage."""
-    L, best = problem.slicing.num_layers, (math.inf, 0)
+    L, out = problem.slicing.num_layers, []
     per_layer = [len(problem.slicing.ops_of([lay])) for lay in range(L)]
     prefix = [0]
     for n in per_layer:
@@ -151,14 +195,14 @@ def equal_operator(problem, microbatches: int) -> tuple[float, int]:
             cuts.append(b)
         cuts.append(L)
         ranges = list(zip(cuts[:-1], cuts[1:]))
-        best = min(best, (best_over_logical(problem, ranges, shape, microbatches), S))
-    return best
+        out.append(best_over_logical(problem, ranges, shape, microbatches, f"S={S}"))
+    return sorted((c for c in out if c), key=lambda c: c.eq2)
 
 
-def megatron(problem, microbatches: int) -> tuple[float, tuple[int, int, int]]:
+def megatron(problem, microbatches: int) -> list[Config]:
     """Grid search over (dp, tp, pp): tp within a host, equal layers, megatron-style stages."""
     c = problem.cluster
-    L, D, best = problem.slicing.num_layers, c.num_devices, (math.inf, (0, 0, 0))
+    L, D, out = problem.slicing.num_layers, c.num_devices, []
     for pp in range(1, min(L, D) + 1):
         shape, ranges = equal_submesh(c, pp), equal_ranges(L, pp)
         if not shape or not ranges:
@@ -169,7 +213,18 @@ def megatron(problem, microbatches: int) -> tuple[float, tuple[int, int, int]]:
             stages = [(a, b, shape, (dp, tp)) for a, b in ranges]
             times = fits(problem, stages, microbatches, "megatron")
             if times:
-                best = min(best, (pipeline_latency(times, microbatches), (dp, tp, pp)))
+                out.append(Config(pipeline_latency([t for t, _ in times], microbatches), f"(dp,tp,pp)=({dp},{tp},{pp})",
+                                  tuple(stages), ("megatron",) * len(stages)))
+    return sorted(out, key=lambda c: c.eq2)
+
+
+def best_simulated(problem, configs: list[Config], microbatches: int, top: int) -> tuple[float, Config | None]:
+    """The fastest simulated step among a baseline's ``top`` configurations by eq. 2 (each simulated as ours is)."""
+    best: tuple[float, Config | None] = (math.inf, None)
+    for cfg in configs[:top]:
+        step = simulated_step(problem, cfg, microbatches)
+        if step < best[0]:
+            best = (step, cfg)
     return best
 
 
@@ -206,9 +261,10 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
         for st in stages
     )
     t1 = time.perf_counter()
-    mega, cfg = megatron(problem, M)
-    eql, eql_s = equal_layer(problem, M)
-    eqo, eqo_s = equal_operator(problem, M)
+    baselines = {
+        "Megatron best": megatron(problem, M), "equal layer": equal_layer(problem, M), "equal operator": equal_operator(problem, M)
+    }
+    simulated = {name: best_simulated(problem, configs, M, args.simulate_top) for name, configs in baselines.items()}
     t_base = time.perf_counter() - t1
     target = TARGETS.get(name)
     flag = "" if target is None else (f"  target <{target:.0f}s: {'met' if total < target else 'MISSED'}")
@@ -218,12 +274,19 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
         f"intra-op {s.get('intra_op', 0):.2f}, DP {s.get('stage_dp', 0):.2f}, stages {s.get('stage_plans', 0):.2f}){flag}"
     )
     print(f"    {len(stages)} stages: {layout}")
+    print(f"    simulated step: ours {step * 1e3:.1f} ms ({pflops:.3f} PFLOPS)", end="")
+    worst = 0.0
+    for label, (sim, cfg) in simulated.items():
+        shown = "no configuration fits" if cfg is None else f"{sim * 1e3:.1f} ms {cfg.label} vs {sim / step:.2f}x"
+        print(f" | {label} {shown}", end="")
+        if cfg is not None:
+            worst = max(worst, step / sim)
+    print(f"  [{'ours no worse than every baseline' if worst <= 1 + 1e-9 else f'A BASELINE IS {worst:.2f}x FASTER'}]")
+    eq2 = {label: (configs[0].eq2 if configs else math.inf) for label, configs in baselines.items()}
     print(
-        f"    step {step * 1e3:9.1f} ms ({pflops:.3f} PFLOPS; final stage plans: eq.2 {final_eq2 * 1e3:.1f} ms)\n"
-        f"    eq.2 latency by layer costs: ours {ours_eq2 * 1e3:.1f} ms | "
-        f"Megatron best {mega * 1e3:.1f} ms (dp,tp,pp)={cfg} vs {mega / ours_eq2:.2f}x | equal layer {eql * 1e3:.1f} ms "
-        f"(S={eql_s}) vs {eql / ours_eq2:.2f}x | equal operator {eqo * 1e3:.1f} ms (S={eqo_s}) vs {eqo / ours_eq2:.2f}x "
-        f"[baselines {t_base:.1f}s]"
+        f"    eq.2 latency by layer costs: ours {ours_eq2 * 1e3:.1f} ms (final stage plans {final_eq2 * 1e3:.1f} ms) | "
+        + " | ".join(f"{label} {v * 1e3:.1f} ms" for label, v in eq2.items())
+        + f" [baselines {t_base:.1f}s: top {args.simulate_top} configurations by eq. 2 each simulated]"
     )
     if args.no_reuse_up_to and devices <= args.no_reuse_up_to:
         t2 = time.perf_counter()
@@ -241,6 +304,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=None, help="override every row's micro-batch count")
     parser.add_argument("--dtype", default="float16", help="GPT parameter and compute dtype (the paper trains in fp16)")
     parser.add_argument("--no-reuse-up-to", type=int, default=4, help="also plan without reuse for rows up to this many devices")
+    parser.add_argument("--simulate-top", type=int, default=3, help="simulate each baseline's best configurations by eq. 2")
     parser.add_argument("--logical-meshes", default="single_node_model_parallel", choices=("all", "single_node_model_parallel"))
     args = parser.parse_args()
     rows = args.rows.split(",")
