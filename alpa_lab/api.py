@@ -348,10 +348,7 @@ class ParallelizedStep:
     def __call__(self, *args: Any) -> Any:
         if self.ray_cluster is not None:
             return self._call_on_ray(args)
-        compiled = self.compiled(*args)
-        graph = self.trace(*args)
-        outs = compiled(*jax.tree_util.tree_leaves(args))
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+        return call_compiled(self.compiled(*args), self.trace(*args), args)
 
     def last_args(self, state: Any) -> tuple:
         """``state`` and the other arguments (shapes only) the step was last traced with."""

@@ -239,6 +239,65 @@ def test_a_killed_worker_fails_the_step_by_name_and_the_state_survives(cluster, 
         trains_on_ray(again, ex, references["mlp"], "relaunched", start=1)
 
 
+@pytest.mark.parametrize("when", ["step", "fetching the state"])
+def test_a_worker_killed_under_a_training_run_fails_it_by_name_and_keeps_the_last_state(when, cluster, references):
+    """A mesh worker killed while a ``TrainingRun`` trains on Ray (issue 10).
+
+    ``step``: killed before step 2, which then fails. ``fetching the state``: killed after
+    step 2 as the run is stopped, so fetching the final state fails. Either way the run ends
+    at once as failed, naming the worker, in ``run.error``, its monitor and its dashboard, and
+    ``run.state`` is the state after the two good steps (the reference's).
+    """
+    import ray
+
+    from alpa_lab.notebook.dashboard import Dashboard
+    from alpa_lab.runtime.monitor import RunMonitor
+
+    ex, step = two_stage_step("mlp", cluster)
+    killed: dict = {}
+
+    def kill(run) -> None:
+        rr = run.ray_run
+        killed.update(worker=rr.workers[1], at=time.monotonic())
+        ray.kill(rr.actors[1], no_restart=True)
+
+    class StopAfterTwo(RunMonitor):
+        """A real monitor: once step 2 is recorded, the worker is killed and the run stopped."""
+
+        def add_step(self, record) -> None:
+            super().add_step(record)
+            if record.step == 1:
+                kill(run)
+                run.stop()
+
+    def batches(i: int):
+        if i == 2 and when == "step":
+            kill(run)
+        return ex.batch
+
+    step.on_ray(cluster)
+    try:
+        monitor = StopAfterTwo() if when != "step" else RunMonitor()
+        run = step.train(ex.state, batches, steps=100, monitor=monitor, memory_every=float("inf"), start=False)
+        dash = Dashboard(run, follow=False)
+        run.start()
+        dash.follow()
+        run.wait(120)
+        ended = time.monotonic()
+        dash.wait(60)
+    finally:
+        step.on_ray(None)
+    info = killed["worker"]
+    assert not run.running and ended - killed["at"] < 30  # at once: no step timeout set, the death is noticed
+    assert run.status == "failed" and run.monitor.error == run.error, (run.status, run.error)
+    what = "step 2" if when == "step" else when
+    assert f"{what} failed on mesh worker 1 (host 1, pid {info.pid}" in run.error and "died" in run.error, run.error
+    assert "after step 2, in run.state" in run.error
+    assert dash.state.status == "failed" and dash.state.error == run.error and "failed" in dash.header.value
+    assert run.monitor.steps_done == 2 and run.state_step == 2 and run.ray_run.closed
+    assert_close(run.state, references["mlp"][1][0], "the state after the two good steps")
+
+
 def test_an_exception_in_a_stage_names_the_worker(cluster):
     ex, step = two_stage_step("mlp", cluster)
     run = step.launch(cluster, ex.state)
@@ -302,7 +361,7 @@ def test_magic_runs_the_step_on_ray_and_the_workbench_launches(cluster, referenc
     wb.launch_steps.value = 3
     wb.launch_button.click()
     wb.wait(120)
-    assert wb.last_error == "", wb.last_error
+    assert wb.run_error == "" and wb.runs[-1].status == "finished", wb.run_error
     assert_close(wb.result[1], references["mlp"][2][1], "loss of the launched run")
     kinds = {b.kind for b in wb.measured}
     assert {"RUN", "UPDATE", "TRANSFER"} <= kinds and {b.mesh for b in wb.measured} == {0, 1}
@@ -321,13 +380,17 @@ def test_runs_launched_from_the_workbench_with_live_dashboards(cluster):
     try:
         wb = Workbench(step.current_plan, step)
         run = wb.launch(ex.state, ex.batch, steps=100_000)
-        seen = set()
+        seen = []  # (status, steps done) as the dashboard showed them, in order
         deadline = time.monotonic() + 120
-        while len({n for _, n in seen if n >= 2}) < 3 and time.monotonic() < deadline and run.running:
+        while len({n for st, n in seen if st == "running"}) < 3 and time.monotonic() < deadline and run.running:
             s = wb.dashboard.state  # the kernel answers meanwhile: this loop is it
-            seen.add((s.status, s.steps_done))
+            if not seen or seen[-1] != (s.status, s.steps_done):
+                seen.append((s.status, s.steps_done))
             time.sleep(0.05)
-        assert {"launching", "running"} & {st for st, _ in seen} and len({n for _, n in seen}) >= 3, seen
+        # the dashboard followed the run live: three step counts or more while running, never going back
+        assert len({n for st, n in seen if st == "running"}) >= 3, seen
+        order = ["starting", "launching", "running"]
+        assert all(st in order for st, _ in seen) and seen == sorted(seen, key=lambda x: (order.index(x[0]), x[1])), seen
         wb.stop()
         wb.wait(120)
         assert run.status == "stopped", run.error
@@ -367,7 +430,7 @@ def test_calibrating_the_ray_cluster_measures_its_workers_and_the_host_link(clus
     spec = cluster.calibrate(repeats=3)
     assert (spec.hosts, spec.devices_per_host) == (HOSTS, PER_HOST) and "calibrated" in spec.name
     assert spec.device_flops != cluster.spec.device_flops and spec.task_overhead > 0
-    assert spec.inter_host_bandwidth > 0 and spec.transfer_overhead > spec.inter_host_latency >= 0
+    assert spec.inter_host_bandwidth != cluster.spec.inter_host_bandwidth  # measured, not the preset
     # saved for ClusterSpec.local of this shape, inter-host link included
     local = al.ClusterSpec.local(HOSTS, PER_HOST, calibrated=True)
     for f in ("device_flops", "inter_host_bandwidth", "inter_host_latency", "transfer_overhead"):
@@ -379,6 +442,15 @@ def test_calibrating_the_ray_cluster_measures_its_workers_and_the_host_link(clus
 
     worker = ray.remote(MeshWorker).options(num_cpus=1).remote(0, 0, 1)
     try:
+        ray.get(worker.clock.remote())  # started
+        pings = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            ray.get(worker.clock.remote())
+            pings.append(time.perf_counter() - t0)
+        # a message's fixed cost beyond the link's latency is an actor call's round trip, as measured here
+        # (the fastest here against calibrate's median: other work on a shared host only adds time)
+        assert min(pings) / 10 < spec.transfer_overhead - spec.inter_host_latency < max(1.0, 100 * min(pings)), (spec, pings)
         size = 8 << 20  # between two of the fitted sizes
         times = []
         for _ in range(6):

@@ -60,7 +60,7 @@ class ProfileRow:
     stage: int
     """the stage (for transfers: the receiving mesh)"""
     kind: str
-    """"RUN", "UPDATE", "TRANSFER" or "STEP" (a single-mesh plan's whole step)"""
+    """"RUN", "UPDATE", "TRANSFER" or "STEP" (a single-mesh plan's whole step: no launch term, as the planner charges none)"""
     phase: str
     parts: CostParts
     predicted: float

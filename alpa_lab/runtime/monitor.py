@@ -111,18 +111,31 @@ class RunMonitor:
 
     # ----- writing (the run thread) ---------------------------------------------------------
     def add_events(self, events: Sequence[Event]) -> None:
+        """One step's events (or several steps'), as the runtime recorded them.
+
+        A phase can run as several programs (a stage's update as one per group of its
+        variables): its pieces on one worker are summed into one duration, so each sample is
+        a whole phase, as the plan predicts it. Workers of one mesh run the same phase side
+        by side: each gives its own sample. A transfer is priced per message: one sample each.
+        """
         if not events:
             return
         now = time.time()
         with self._lock:
+            phases: dict[tuple[Any, ...], float] = {}  # (key, worker, step, micro-batch) -> seconds, in first-seen order
             for e in events:
                 self._events.append(e)
                 key = event_key(e)
                 if key is None or (self.skip_first_step and e.step == 0):
                     continue
-                self._durations.setdefault(key, deque(maxlen=self.durations_kept)).append(e.end - e.start)
                 if e.kind == "recv":
+                    self._durations.setdefault(key, deque(maxlen=self.durations_kept)).append(e.end - e.start)
                     self._transfer_bytes.setdefault(e.mesh, deque(maxlen=self.durations_kept)).append(e.nbytes)
+                else:
+                    piece = (key, e.worker, e.step, e.microbatch)
+                    phases[piece] = phases.get(piece, 0.0) + (e.end - e.start)
+            for (key, *_), seconds in phases.items():
+                self._durations.setdefault(key, deque(maxlen=self.durations_kept)).append(seconds)
             newest = max(e.step for e in events)
             while self._events and self._events[0].step <= newest - self.window_steps:
                 self._events.popleft()
@@ -204,7 +217,8 @@ def profile(plan: Any, monitor: RunMonitor) -> Profile:
                     collectives[c.kind] = collectives.get(c.kind, 0.0) + c.cost
     else:
         compute = plan.compute_cost
-        parts = {(0, "STEP", "step"): CostParts(compute, plan.objective - compute, 1.0)}
+        # no launch term: the planner charges a single-mesh plan no task overhead (its objective is compute + communication)
+        parts = {(0, "STEP", "step"): CostParts(compute, plan.objective - compute, 0.0)}
         steady = [r.seconds for r in snap.recent if r.step > 0] or [r.seconds for r in snap.recent]
         measured[(0, "STEP", "step")] = steady
         for o in plan.ops:

@@ -2,7 +2,9 @@
 
 ``TrainingRun`` is what ``Workbench.launch`` (and ``ParallelizedStep.train``) start: on the
 step's Ray cluster when it has one (a ``RayRun`` launched in the thread, closed at the end so
-the next run can have the workers' devices), otherwise in this process. After each step it
+the next run can have the workers' devices), otherwise in this process. The run trains the
+plan current at launch to the end: it compiles that plan once and calls the program itself,
+so re-planning or ``step.use(other)`` while it goes changes the next run, not this one. After each step it
 writes the step's figures, the new instruction events and, about once a second, the devices'
 memory into its ``RunMonitor``; the notebook stays free while it goes. ``stop()`` ends it after
 the step in progress; a failure ends it too, and says why. Either way the plan and the last
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -35,12 +37,15 @@ def batch_stream(batches: Any, num_args: int) -> Callable[[int], tuple]:
 
     ``batches`` is one batch (used for every step), a ``list`` of batches (cycled), an iterator
     or generator (one batch per step), or a function of the step index. A batch is the step's
-    argument after the state, or a tuple of them when the step takes several.
+    argument after the state, or a tuple of them when the step takes several; a mapping (a dict
+    or Flax ``FrozenDict`` of arrays) is one batch, never an iterable of its keys.
     """
 
     def args(b: Any) -> tuple:
         return tuple(b) if num_args > 1 else (b,)
 
+    if isinstance(batches, Mapping):
+        return lambda i: args(batches)
     if callable(batches) and not hasattr(batches, "shape"):
         return lambda i: args(batches(i))
     if isinstance(batches, list):
@@ -57,7 +62,7 @@ def batch_stream(batches: Any, num_args: int) -> Callable[[int], tuple]:
                 raise StopIteration(f"the batches ran out after {i} steps") from None
 
         return nxt
-    if isinstance(batches, Iterable) and not isinstance(batches, (tuple, dict)) and not hasattr(batches, "shape"):
+    if isinstance(batches, Iterable) and not isinstance(batches, tuple) and not hasattr(batches, "shape"):
         return batch_stream(iter(batches), num_args)
     return lambda i: args(batches)
 
@@ -78,11 +83,14 @@ def _samples(args: tuple) -> int:
     return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
 
 
-def step_flops(step: Any, state: Any, batch: tuple) -> float:
-    """FLOPs of one training step of the step's current plan (the program's ops; a pipeline's per micro-batch ops x M)."""
+def step_flops(step: Any, state: Any, batch: tuple, plan: Any = None) -> float:
+    """FLOPs of one training step of ``plan`` (default: the step's current plan).
+
+    The program's ops; a pipeline's per micro-batch ops x M, its update once.
+    """
     from alpa_lab.plan import PipelinePlan
 
-    plan = step.current_plan
+    plan = step.current_plan if plan is None else plan
     graph = step.trace(state, *batch)
     if isinstance(plan, PipelinePlan) and plan.problem is not None:
         from alpa_lab.passes.stages import APPLY
@@ -118,6 +126,8 @@ class TrainingRun:
         self.steps = steps
         self.state = state
         """the last good state: the one launched with, then each step's new state"""
+        self.state_step = 0
+        """the steps ``state`` is after (0: the launch state)"""
         self.result: Any = None
         self.error = ""
         self.ray_run: Any = None
@@ -172,40 +182,81 @@ class TrainingRun:
 
     # ----- the loop ---------------------------------------------------------------------------
     def _work(self) -> None:
+        """Launch and step; the final status is set last, once the state is fetched (or fetching it is known to have failed)."""
         mon = self.monitor
+        status, error = "finished", ""
         try:
             first = self._batch(0)
-            self._flops = step_flops(self.step, self.state, first)
             if self.on_ray:
                 mon.set_status("launching")
+                self._check_plan()
                 self.ray_run = self.step.launch(self.step.ray_cluster, self.state, *first)
+                if self.ray_run.plan is not self.plan:  # re-planned while it launched: not the plan the run shows
+                    raise RuntimeError(self._changed())
+                program = None
+            else:
+                program = self._compile((self.state, *first))
+            self._flops = step_flops(self.step, self.state, first, self.plan)
             mon.set_status("running")
-            self._loop(first)
-            mon.set_status("stopped" if self._stop.is_set() and mon.steps_done < self.steps else "finished")
+            self._loop(first, program)
+            if self._stop.is_set() and mon.steps_done < self.steps:
+                status = "stopped"
         except Exception as err:  # noqa: BLE001 - shown where the run is watched; the plan and the state stay
-            self.error = f"{type(err).__name__}: {err}"
             if self.ray_run is not None and self.ray_run.last_state is not None:
-                self.state = self.ray_run.last_state
-            mon.set_status("failed", self.error)
+                self.state, self.state_step = self.ray_run.last_state, self.ray_run.last_state_step
+            status, error = "failed", self._describe(err)
         finally:
             rr = self.ray_run
             if rr is not None and not rr.closed:
                 try:
-                    self.state = rr.state()
-                except Exception as err:  # noqa: BLE001 - keep the last state the driver holds
-                    self.error = self.error or f"fetching the state failed: {err}"
-                    self.state = rr.last_state if rr.last_state is not None else self.state
-                rr.close()
+                    self.state, self.state_step = rr.state(), rr.steps_done
+                except Exception as err:  # noqa: BLE001 - keep the last state the driver holds, and say the run failed
+                    if rr.last_state is not None:
+                        self.state, self.state_step = rr.last_state, rr.last_state_step
+                    status, error = "failed", error or self._describe(err, "fetching the state from the mesh workers failed: ")
+                finally:
+                    rr.close()
+            self.error = error
+            mon.set_status(status, error)  # last: whoever sees the run end finds run.state and run.error final
 
-    def _loop(self, batch: tuple) -> None:
+    def _check_plan(self) -> None:
+        if self.step.current_plan is not self.plan:
+            raise RuntimeError(self._changed())
+
+    def _changed(self) -> str:
+        return "the step's plan changed while the run was starting (re-planned or step.use): nothing was trained; launch again"
+
+    def _compile(self, args: tuple) -> tuple[Any, Any, Any]:
+        """The launch plan's compiled program, its traced graph and argument signature, for the whole run."""
+        from alpa_lab.api import _signature
+
+        self._check_plan()
+        graph = self.step.trace(*args)
+        compiled = self.step.compiled(*args)
+        if compiled.plan is not self.plan:
+            if compiled.plan != self.plan:
+                raise RuntimeError(self._changed())
+            self.plan = compiled.plan  # a loaded plan, with the planner state compiling attached to it
+        return compiled, graph, _signature(args)
+
+    def _describe(self, err: BaseException, prefix: str = "") -> str:
+        """The error as the run shows it; a mesh worker's also says where this run keeps the last good state."""
+        from alpa_lab.runtime.ray_run import MeshWorkerError
+
+        if not isinstance(err, MeshWorkerError):
+            return f"{prefix}{type(err).__name__}: {err}"
+        # its own text names the worker and what failed; run.last_state there is the RayRun's, this run's is run.state
+        return f"{type(err).__name__}: {err} This run keeps the last good state, after step {self.state_step}, in run.state."
+
+    def _loop(self, batch: tuple, program: tuple[Any, Any, Any] | None) -> None:
+        """``steps`` steps on the Ray run, or of ``program`` (compiled at launch) in this process."""
+        from alpa_lab.api import _signature, call_compiled
         from alpa_lab.runtime.pipeline import CompiledPipeline
 
         mon = self.monitor
-        compiled = None
-        if not self.on_ray:
-            compiled = self.step.compiled(self.state, *batch)
-            if isinstance(compiled, CompiledPipeline):
-                compiled.profile = True  # wait for each unit task: the records are run times, not dispatch times
+        compiled, graph, signature = program if program is not None else (None, None, None)
+        if isinstance(compiled, CompiledPipeline):
+            compiled.profile = True  # wait for each unit task: the records are run times, not dispatch times
         last_memory = 0.0
         try:
             for i in range(self.steps):
@@ -221,15 +272,21 @@ class TrainingRun:
                     events = self.ray_run.poll_events()
                     links = dict(self.ray_run.traffic[-1]["sent"]) if self.ray_run.traffic else {}
                     if self.ray_run.last_state_step == self.ray_run.steps_done:
-                        self.state = self.ray_run.last_state
+                        self.state, self.state_step = self.ray_run.last_state, self.ray_run.steps_done
                     self.result = (self.state, *(out if isinstance(out, tuple) else (out,)))  # as step(state, batch) returns
                 else:
-                    res = self.step(self.state, *batch)
+                    args = (self.state, *batch)
+                    if _signature(args) != signature:  # the program is for the first step's shapes
+                        raise ValueError(
+                            f"step {i}'s arguments differ in structure, shape or dtype from the first step's: "
+                            "a run trains one compiled program; launch a run per shape"
+                        )
+                    res = call_compiled(compiled, graph, args)
                     jax.block_until_ready(res)
                     seconds = time.perf_counter() - t0
                     out = res[1:] if isinstance(res, tuple) else res
                     self.result = res
-                    self.state = self._update(res)
+                    self.state, self.state_step = self._update(res), i + 1
                     events = _process_events(compiled, self.plan, i, start, seconds)
                     links = {}
                 mon.add_events(events)
