@@ -92,6 +92,8 @@ class PipelineProblem:
     """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP."""
     stage_solutions: dict[tuple, tuple] = field(default_factory=dict)
     """(layers, mesh costs, method, pins) -> (tie period, solution): a stage placed elsewhere reuses it"""
+    cut_bytes: tuple[float, ...] = ()
+    """per layer boundary b (0..L): bytes per micro-batch crossing it in the heavier direction"""
     consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
     """var -> the ops that read it (``graph.consumers()``, once: every piece cut needs it)"""
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
@@ -232,6 +234,23 @@ class PipelineProblem:
             float(activations[end] - activations[start]),
         )
 
+    def cut_seconds(self, end: int, submesh: Shape) -> float:
+        """Per micro-batch, the transfer across a stage boundary after layer ``end - 1`` from a stage on ``submesh``.
+
+        The heavier direction (activations forward, gradients back) of the tensors that cross that
+        cut, over the link the next stage is likely on: another host's when the stage holds whole
+        hosts, its own host's otherwise (the DP does not know placements; ``boundary_parts`` prices
+        the placed stages exactly). 0 after the last layer.
+        """
+        if end >= self.slicing.num_layers:
+            return 0.0
+        if not self.cut_bytes:
+            self.cut_bytes = _cut_bytes(self.graph, self.slicing)
+        c = self.cluster
+        whole_hosts = submesh[1] == c.devices_per_host and c.hosts > 1
+        bandwidth = c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
+        return self.cut_bytes[end] / bandwidth
+
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
         """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
         those layers are infeasible, for k = 0..L (arrays of L + 1); every layer is priced once."""
@@ -242,6 +261,30 @@ class PipelineProblem:
             sums = np.vstack([np.zeros((1, 5)), np.cumsum(table.reshape(-1, 5), axis=0)])
             self.prefixes[key] = tuple(sums[:, j] for j in range(5))
         return self.prefixes[key]
+
+
+def _cut_bytes(graph: OpGraph, slicing: ProgramSlicing) -> tuple[float, ...]:
+    """Bytes crossing each layer boundary b per micro-batch: max(forward, backward) of the tensors
+    computed in a layer < b and read in a layer >= b (or the reverse, gradients going back); the
+    update's tensors are left out, as ``boundary_parts`` leaves them out."""
+    L = slicing.num_layers
+    forward, backward = np.zeros(L + 2), np.zeros(L + 2)  # difference arrays over b
+    consumers = graph.consumers()
+    for op in graph.ops:
+        if slicing.phase[op.index] == APPLY:
+            continue
+        p = slicing.layer[op.index]
+        for v in op.outputs:
+            readers = [slicing.layer[c] for c in consumers[v] if slicing.phase[c] != APPLY]
+            later, earlier = max((q for q in readers if q > p), default=None), min((q for q in readers if q < p), default=None)
+            nbytes = graph.vars[v].nbytes
+            if later is not None:  # crosses boundaries p + 1 .. later
+                forward[p + 1] += nbytes
+                forward[later + 1] -= nbytes
+            if earlier is not None:  # crosses boundaries earlier + 1 .. p
+                backward[earlier + 1] += nbytes
+                backward[p + 1] -= nbytes
+    return tuple(float(x) for x in np.maximum(np.cumsum(forward), np.cumsum(backward))[: L + 1])
 
 
 def _layer_op_key(op: Op, graph: OpGraph) -> tuple:
@@ -442,8 +485,12 @@ def plan_pipeline(
     progress: Callable[[str], None] | None = None,
     logical_meshes: str = "all",
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None,
+    transfers: bool = True,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
+
+    ``transfers``: each stage's t_i in the DP includes its outgoing boundary transfer per
+    micro-batch (``PipelineProblem.cut_seconds``); False gives the paper's eq. 2 alone.
 
     ``logical_meshes`` is the space of logical mesh shapes per sub-mesh: ``"all"`` 2-D views,
     or ``"single_node_model_parallel"`` (Alpa's option of that name): (n / k, k) with the
@@ -472,7 +519,9 @@ def plan_pipeline(
         report()
         if fast is None:
             return None
-        options = [StageCost(fast.time, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
+        # the stage's outgoing cross-mesh transfer, per micro-batch, is on its critical path (issue 11 part 3)
+        send = problem.cut_seconds(end, submesh) if transfers else 0.0
+        options = [StageCost(fast.time + send, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
         # where the fastest plan (often replicated weights) may not hold the micro-batches of
         # the earliest position this stage can take, offer the DP memory-saving layouts too
         need = rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
@@ -480,7 +529,7 @@ def plan_pipeline(
             for saver in MEMORY_SAVING_METHODS:
                 alt = problem.stage_cost(start, end, submesh, logical, saver)
                 if alt is not None:
-                    options.append(StageCost(alt.time, alt.weight_memory + alt.activation_memory, _fits(alt, memory), saver))
+                    options.append(StageCost(alt.time + send, alt.weight_memory + alt.activation_memory, _fits(alt, memory), saver))
         return options
 
     rule = in_flight_rule(schedule, num_microbatches)

@@ -268,7 +268,8 @@ class TrainingRun:
                 t0 = time.perf_counter()
                 if self.on_ray:
                     out = self.ray_run.step(*batch)
-                    seconds = time.perf_counter() - t0
+                    # the step alone: the state's copy back to the driver is not what the plan predicts
+                    seconds = self.ray_run.last_step_seconds or time.perf_counter() - t0
                     events = self.ray_run.poll_events()
                     links = dict(self.ray_run.traffic[-1]["sent"]) if self.ray_run.traffic else {}
                     if self.ray_run.last_state_step == self.ray_run.steps_done:
