@@ -83,7 +83,8 @@ def test_dashboard_updates_live_the_kernel_stays_free_and_stop_stops(page, lab):
         assert reply["error"] is None and reply["result"] == "('running', 42)", reply
         # the dashboard's Stop button stops the run after the step in progress
         out.locator("button", has_text="Stop").first.click()
-        pg.wait_for_function("(el) => el.innerText.includes('stopped')", arg=header.element_handle(), timeout=60_000)
+        # the output area, not the header: when the run ends its widget is replaced by a static copy of the last state
+        pg.wait_for_function("(el) => el.innerText.includes('stopped')", arg=out.element_handle(), timeout=60_000)
         done = pg.evaluate(EXECUTE_JS, "run.wait(60); (run.status, run.monitor.steps_done)")
         assert done["error"] is None and done["result"].startswith("('stopped'"), done
         final = int(re.search(r"(\d+)\)", done["result"]).group(1))
