@@ -490,7 +490,9 @@ def plan_pipeline(
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
     ``transfers``: each stage's t_i in the DP includes its outgoing boundary transfer per
-    micro-batch (``PipelineProblem.cut_seconds``); False gives the paper's eq. 2 alone.
+    micro-batch (``PipelineProblem.cut_seconds``), and the paper's eq. 2 optimum is planned as
+    one more candidate; False gives the paper's eq. 2 alone. Every candidate's stages are then
+    planned and simulated (transfers, update) and the fastest that fits memory is kept.
 
     ``logical_meshes`` is the space of logical mesh shapes per sub-mesh: ``"all"`` 2-D views,
     or ``"single_node_model_parallel"`` (Alpa's option of that name): (n / k, k) with the
@@ -512,7 +514,7 @@ def plan_pipeline(
             progress(f"layer costs: {len(problem.layer_costs) - solved_before} intra-op ILPs solved "
                      f"({len(problem.layer_costs)} cached)")
 
-    def cost(start: int, end: int, submesh: Shape, logical: Shape) -> StageCost | None:
+    def cost(start: int, end: int, submesh: Shape, logical: Shape, transfers: bool = transfers) -> StageCost | None:
         if logical_meshes == "single_node_model_parallel" and M % logical[1]:
             return None
         fast = problem.stage_cost(start, end, submesh, logical, method)
@@ -546,6 +548,13 @@ def plan_pipeline(
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
     candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule, profiled)
+    if transfers:  # the transfer term guesses the links, so the paper's eq. 2 optimum is a candidate too: it cannot lose
+        plain = stage_dp(
+            problem.slicing.num_layers, N, M, num_microbatches, lambda *a: cost(*a, transfers=False),
+            max_stages=max_stages, in_flight=rule,
+        )
+        if all(plain.stages != c.stages for c in candidates):
+            candidates.append(plain)
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
