@@ -277,7 +277,8 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     print(f"    simulated step: ours {step * 1e3:.1f} ms ({pflops:.3f} PFLOPS)", end="")
     worst = 0.0
     for label, (sim, cfg) in simulated.items():
-        shown = "no configuration fits" if cfg is None else f"{sim * 1e3:.1f} ms {cfg.label} vs {sim / step:.2f}x"
+        shown = f"{sim * 1e3:.1f} ms {cfg.label} vs {sim / step:.2f}x" if cfg is not None else (
+            f"none of its best {args.simulate_top} by eq. 2 fits memory once planned")
         print(f" | {label} {shown}", end="")
         if cfg is not None:
             worst = max(worst, step / sim)
