@@ -182,28 +182,34 @@ def test_pieces_cut_with_the_consumer_index_equal_pieces_cut_by_scanning():
         assert (a.graph.fingerprint, a.invars, a.outvars, a.var_map) == (b.graph.fingerprint, b.invars, b.outvars, b.var_map)
 
 
-def test_cut_bytes_are_what_the_placed_stages_send():
-    """``PipelineProblem.cut_seconds`` (priced in the DP) against ``boundary_parts`` (priced on placed stages): with
-    two stages the bytes crossing the one boundary are the same tensors, counted once each."""
+def test_send_bytes_are_what_the_placed_stages_send():
+    """``PipelineProblem.send_seconds`` (priced in the DP) against ``boundary_parts`` (priced on placed stages), on
+    every slicing of 4 layers into 2-4 stages: each stage's heavier direction to and from later stages."""
+    import itertools
+
     from alpa_lab.passes.pipeline import StageResult, boundary_parts
 
     ex = tiny_example("gpt")
-    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=2, layers=4)
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(4, 1), microbatches=2, layers=4)
     problem = PipelineProblem.build(step.trace(*ex.args), step.cluster)
     c = problem.cluster
-    for b in range(1, 4):
-        stages = [
-            StageResult(i, layers, (1, 2), (1, 2), devices, None, 0, 0, 0, 0, 0, 1, 0)
-            for i, (layers, devices) in enumerate((((0, b), (0, 1)), ((b, 4), (2, 3))))
-        ]
-        (part,) = boundary_parts(problem, stages)
-        want = part.communication * c.inter_host_bandwidth  # stages on two hosts: bytes = seconds x that link
-        assert want > 0
-        # a stage on whole hosts sends to another host; a stage on part of a host, likely within it
-        assert problem.cut_seconds(b, (1, 2)) * c.inter_host_bandwidth == pytest.approx(want, rel=1e-12)
-        assert problem.cut_seconds(b, (2, 2)) * c.inter_host_bandwidth == pytest.approx(want, rel=1e-12)
-        assert problem.cut_seconds(b, (1, 1)) * c.intra_host_bandwidth == pytest.approx(want, rel=1e-12)
-    assert problem.cut_seconds(4, (1, 2)) == 0.0  # after the last layer nothing is sent
+    checked = 0
+    for k in (1, 2, 3):
+        for cuts in itertools.combinations(range(1, 4), k):
+            bounds = (0, *cuts, 4)
+            ranges = list(zip(bounds[:-1], bounds[1:]))
+            stages = [StageResult(i, r, (1, 1), (1, 1), (i,), None, 0, 0, 0, 0, 0, 1, 0) for i, r in enumerate(ranges)]
+            parts = boundary_parts(problem, stages)  # stages on four hosts: bytes = seconds x the inter-host link
+            for (start, end), part in zip(ranges, parts):
+                want = part.communication * c.inter_host_bandwidth
+                assert problem.send_seconds(start, end, (1, 1)) * c.inter_host_bandwidth == pytest.approx(want, rel=1e-12)
+                checked += want > 0
+            assert problem.send_seconds(*ranges[-1], (1, 1)) == 0.0  # the last stage sends nothing on
+    assert checked >= 6
+    # the link: a stage on whole hosts sends to another host, one on part of a host likely within it
+    two = PipelineProblem.build(step.trace(*ex.args), al.ClusterSpec.local(2, 2))
+    assert two.send_seconds(0, 2, (1, 2)) * two.cluster.inter_host_bandwidth == pytest.approx(
+        two.send_seconds(0, 2, (1, 1)) * two.cluster.intra_host_bandwidth, rel=1e-12)
 
 
 def test_the_dp_with_transfers_is_optimal_by_brute_force():
@@ -217,7 +223,7 @@ def test_the_dp_with_transfers_is_optimal_by_brute_force():
 
     def cost(start, end, submesh, logical):
         c = problem.stage_cost(start, end, submesh, logical)
-        return None if c is None else StageCost(c.time + problem.cut_seconds(end, submesh))
+        return None if c is None else StageCost(c.time + problem.send_seconds(start, end, submesh))
 
     for B in (1, 4, 16):
         plan = stage_dp(4, 2, 2, B, cost)
@@ -229,3 +235,21 @@ def test_the_dp_with_transfers_is_optimal_by_brute_force():
     priced = stage_dp(4, 2, 2, 4, cost)
     plain_priced = pipeline_latency([cost(*st.layers, st.submesh_shape, st.logical_shape).time for st in plain.stages], 4)
     assert priced.total_time <= plain_priced * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_pricing_transfers_in_the_dp_never_loses_to_eq2_alone(name):
+    """Eq. 2's candidates stay candidates, so the simulated step with the transfer term is never slower than without."""
+    ex = tiny_example(name)
+    for bandwidth in (2e6, None):  # slow links (transfers dominate) and the preset's
+        cluster = al.ClusterSpec.local(2, 2)
+        if bandwidth:
+            cluster = dataclasses.replace(cluster, inter_host_bandwidth=bandwidth)
+        step = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4)
+        graph = step.trace(*ex.args)
+
+        def simulated(transfers):
+            _, stages, timeline = plan_pipeline(graph, cluster, num_microbatches=4, transfers=transfers)
+            return timeline.makespan + max(st.apply_time for st in stages)
+
+        assert simulated(True) <= simulated(False) * (1 + 1e-9)

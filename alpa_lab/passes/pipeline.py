@@ -26,6 +26,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,8 +93,8 @@ class PipelineProblem:
     """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP."""
     stage_solutions: dict[tuple, tuple] = field(default_factory=dict)
     """(layers, mesh costs, method, pins) -> (tie period, solution): a stage placed elsewhere reuses it"""
-    cut_bytes: tuple[float, ...] = ()
-    """per layer boundary b (0..L): bytes per micro-batch crossing it in the heavier direction"""
+    send_bytes: np.ndarray | None = None
+    """[start, end]: bytes per micro-batch the stage of layers [start, end) exchanges with later ones"""
     consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
     """var -> the ops that read it (``graph.consumers()``, once: every piece cut needs it)"""
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
@@ -234,22 +235,23 @@ class PipelineProblem:
             float(activations[end] - activations[start]),
         )
 
-    def cut_seconds(self, end: int, submesh: Shape) -> float:
-        """Per micro-batch, the transfer across a stage boundary after layer ``end - 1`` from a stage on ``submesh``.
+    def send_seconds(self, start: int, end: int, submesh: Shape) -> float:
+        """Per micro-batch, the boundary transfer of the stage holding layers [start, end) on ``submesh``.
 
-        The heavier direction (activations forward, gradients back) of the tensors that cross that
-        cut, over the link the next stage is likely on: another host's when the stage holds whole
-        hosts, its own host's otherwise (the DP does not know placements; ``boundary_parts`` prices
-        the placed stages exactly). 0 after the last layer.
+        As ``boundary_parts`` prices a placed stage: the heavier direction of what it sends to
+        later stages (tensors it computes that later layers read) and what it gets back from them
+        (tensors later layers compute that it reads), over the link the next stage is likely on:
+        another host's when the stage holds whole hosts, its own host's otherwise (the DP does not
+        know placements; ``boundary_parts`` prices the placed stages exactly). 0 for the last stage.
         """
         if end >= self.slicing.num_layers:
             return 0.0
-        if not self.cut_bytes:
-            self.cut_bytes = _cut_bytes(self.graph, self.slicing)
+        if self.send_bytes is None:
+            self.send_bytes = _send_bytes(self.graph, self.slicing)
         c = self.cluster
         whole_hosts = submesh[1] == c.devices_per_host and c.hosts > 1
         bandwidth = c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
-        return self.cut_bytes[end] / bandwidth
+        return float(self.send_bytes[start, end]) / bandwidth
 
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
         """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
@@ -263,12 +265,15 @@ class PipelineProblem:
         return self.prefixes[key]
 
 
-def _cut_bytes(graph: OpGraph, slicing: ProgramSlicing) -> tuple[float, ...]:
-    """Bytes crossing each layer boundary b per micro-batch: max(forward, backward) of the tensors
-    computed in a layer < b and read in a layer >= b (or the reverse, gradients going back); the
-    update's tensors are left out, as ``boundary_parts`` leaves them out."""
+def _send_bytes(graph: OpGraph, slicing: ProgramSlicing) -> np.ndarray:
+    """[start, end] -> bytes per micro-batch the stage of layers [start, end) exchanges with later stages,
+    the heavier direction: max(tensors it computes that a layer >= end reads, tensors a layer >= end
+    computes that it reads), each tensor once (``boundary_parts`` counts the same tensors on placed
+    stages; it counts a tensor once per reading stage). The update's tensors are left out."""
     L = slicing.num_layers
-    forward, backward = np.zeros(L + 2), np.zeros(L + 2)  # difference arrays over b
+    # out[p, e]: bytes computed in layer p and read in a layer >= e (p < e); back[q, e]: bytes read first
+    # in layer q and computed in a layer >= e (q < e); a stage [s, e) sums its rows s..e-1 (others are 0)
+    out, back = np.zeros((L + 1, L + 2)), np.zeros((L + 1, L + 2))  # difference arrays along e
     consumers = graph.consumers()
     for op in graph.ops:
         if slicing.phase[op.index] == APPLY:
@@ -276,15 +281,19 @@ def _cut_bytes(graph: OpGraph, slicing: ProgramSlicing) -> tuple[float, ...]:
         p = slicing.layer[op.index]
         for v in op.outputs:
             readers = [slicing.layer[c] for c in consumers[v] if slicing.phase[c] != APPLY]
-            later, earlier = max((q for q in readers if q > p), default=None), min((q for q in readers if q < p), default=None)
+            later = max((q for q in readers if q > p), default=None)
+            first = min((q for q in readers if q < p), default=None)
             nbytes = graph.vars[v].nbytes
-            if later is not None:  # crosses boundaries p + 1 .. later
-                forward[p + 1] += nbytes
-                forward[later + 1] -= nbytes
-            if earlier is not None:  # crosses boundaries earlier + 1 .. p
-                backward[earlier + 1] += nbytes
-                backward[p + 1] -= nbytes
-    return tuple(float(x) for x in np.maximum(np.cumsum(forward), np.cumsum(backward))[: L + 1])
+            if later is not None:  # sent by a stage holding p and ending at e in p + 1 .. later
+                out[p, p + 1] += nbytes
+                out[p, later + 1] -= nbytes
+            if first is not None:  # received by a stage holding its first reader, ending at e in first + 1 .. p
+                back[first, first + 1] += nbytes
+                back[first, p + 1] -= nbytes
+    out, back = np.cumsum(out, axis=1)[:, : L + 1], np.cumsum(back, axis=1)[:, : L + 1]
+    # [s, e] = sum over rows s..L of column e (rows >= e are 0 in that column): suffix sums over rows
+    out, back = np.cumsum(out[::-1], axis=0)[::-1], np.cumsum(back[::-1], axis=0)[::-1]
+    return np.maximum(out, back)
 
 
 def _layer_op_key(op: Op, graph: OpGraph) -> tuple:
@@ -490,8 +499,8 @@ def plan_pipeline(
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
     ``transfers``: each stage's t_i in the DP includes its outgoing boundary transfer per
-    micro-batch (``PipelineProblem.cut_seconds``), and the paper's eq. 2 optimum is planned as
-    one more candidate; False gives the paper's eq. 2 alone. Every candidate's stages are then
+    micro-batch (``PipelineProblem.send_seconds``), and the paper's eq. 2 candidates are planned
+    too; False gives the paper's eq. 2 alone. Every candidate's stages are then
     planned and simulated (transfers, update) and the fastest that fits memory is kept.
 
     ``logical_meshes`` is the space of logical mesh shapes per sub-mesh: ``"all"`` 2-D views,
@@ -522,7 +531,7 @@ def plan_pipeline(
         if fast is None:
             return None
         # the stage's outgoing cross-mesh transfer, per micro-batch, is on its critical path (issue 11 part 3)
-        send = problem.cut_seconds(end, submesh) if transfers else 0.0
+        send = problem.send_seconds(start, end, submesh) if transfers else 0.0
         options = [StageCost(fast.time + send, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
         # where the fastest plan (often replicated weights) may not hold the micro-batches of
         # the earliest position this stage can take, offer the DP memory-saving layouts too
@@ -548,13 +557,22 @@ def plan_pipeline(
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
     candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule, profiled)
-    if transfers:  # the transfer term guesses the links, so the paper's eq. 2 optimum is a candidate too: it cannot lose
-        plain = stage_dp(
-            problem.slicing.num_layers, N, M, num_microbatches, lambda *a: cost(*a, transfers=False),
-            max_stages=max_stages, in_flight=rule,
-        )
-        if all(plain.stages != c.stages for c in candidates):
-            candidates.append(plain)
+    if transfers:  # the transfer term guesses links: eq. 2's own candidates stay, so the simulation picks from more
+        def plain_cost(*a: Any) -> StageCost | None:
+            return cost(*a, transfers=False)
+
+        plain_table: dict = {}
+        try:
+            plain = stage_dp(problem.slicing.num_layers, N, M, num_microbatches, plain_cost, max_stages=max_stages,
+                             in_flight=rule, cache=plain_table)
+        except InterOpError:  # e.g. eq. 2's optimum cannot be placed: not a candidate
+            plain = None
+        if plain is not None:
+            seen = {_slicing(c) for c in candidates}
+            for cand in [plain] + _fewer_stage_optima(problem, plain, num_microbatches, max_stages, plain_cost, rule, plain_table):
+                if _slicing(cand) not in seen:
+                    seen.add(_slicing(cand))
+                    candidates.append(cand)
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
@@ -576,6 +594,11 @@ def plan_pipeline(
     _, chosen, results, timeline = best
     _remember_variants(problem, chosen, method)  # re-plans (pins) of its stages use the same layouts
     return problem, results, timeline
+
+
+def _slicing(inter: InterOpPlan) -> tuple:
+    """What a candidate plans: its stages' layers, meshes, devices and layouts (not the DP's times)."""
+    return tuple((st.layers, st.submesh_shape, st.logical_shape, st.device_ids, st.variant) for st in inter.stages)
 
 
 def _remember_variants(problem: PipelineProblem, inter: InterOpPlan, method: str) -> None:
@@ -603,8 +626,8 @@ def _fewer_stage_optima(
     update, as the paper does (it expects transfers to overlap with compute). Where they do
     not (slow links between hosts, small layers), fewer stages can be faster, so
     ``plan_pipeline`` plans these candidates too and keeps the one whose simulated step
-    (the schedule with its transfers, then the update) is fastest. Each is an eq. 2 optimum
-    for its stage count; layer costs are cached, so each costs one DP.
+    (the schedule with its transfers, then the update) is fastest. Each is an optimum of the
+    DP's cost for its stage count; the profiled table is kept (``cache``), so each costs one search.
     """
     out = []
     k = 1
