@@ -18,14 +18,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 
 import alpa_lab as al
-from alpa_lab.cost.profile import Profile, ProfileRow
+from alpa_lab.cost.profile import Profile
 from alpa_lab.models import tiny_example
 from alpa_lab.notebook import views
 from alpa_lab.notebook.workbench import Workbench
 from alpa_lab.passes.schedule import make_schedule
 from alpa_lab.passes.transfers import pipeline_transfers
-from alpa_lab.runtime.monitor import pipeline_parts
 from alpa_lab.sharding.spec import ShardingSpec
+from test_recalibrate import synthetic  # a profile with known factors, shared with the recalibration tests
 
 LOCAL = al.ClusterSpec.local(hosts=2, devices_per_host=4)
 
@@ -440,24 +440,13 @@ class _MeasuredRun:
         return self._profile
 
 
-def _synthetic(plan, a: float, b: float, c: float) -> Profile:
-    """A profile whose measurements are exactly a x compute + b x communication + c per launch."""
-    cluster = al.ClusterSpec(**plan.cluster)
-    rows = []
-    for (stage, kind, phase), p in sorted(pipeline_parts(plan).items()):
-        if phase not in ("forward", "backward", "apply") or not (p.compute or p.communication):
-            continue
-        rows.append(ProfileRow(stage, kind, phase, p, p.seconds(cluster), a * p.compute + b * p.communication + c * p.launches, 10))
-    return Profile(plan.fingerprint, dict(plan.cluster), tuple(rows), 10, plan.estimated_step_time, 0.0)
-
-
 def test_undo_of_a_replan_gives_the_step_back_its_cluster_and_planner_state(gpt):
     ex, step, plan = gpt
     before = step.plan(ex.state, ex.batch)  # the DP's plan on the step's own cluster
     cluster, problem = step.cluster, step._problems[plan.fingerprint]
     step.current_plan = plan
     wb = Workbench(plan, step)
-    prof = _synthetic(plan, 5.0, 1.0, 0.0)
+    prof = synthetic(plan, 5.0, 1.0, 0.0)
     try:
         assert wb.recalibrate(_MeasuredRun(prof)), wb.last_error
         assert step.cluster.to_dict() == prof.cluster().to_dict() and step._problems[plan.fingerprint] is wb.plan.problem
@@ -470,7 +459,7 @@ def test_undo_of_a_replan_gives_the_step_back_its_cluster_and_planner_state(gpt)
         state, loss = step(ex.state, ex.batch)  # and compiles and runs the plan undo gave back
         assert np.isfinite(float(loss))
         # a re-plan that fails leaves the step as it was
-        other = _synthetic(plan, 5.0, 1.0, 0.0)
+        other = synthetic(plan, 5.0, 1.0, 0.0)
         other = Profile(other.fingerprint, al.ClusterSpec.local(1, 8).to_dict(), other.rows, 10, 0.0, 0.0)
         assert not wb.recalibrate(_MeasuredRun(other)) and wb.plan is plan and step.cluster is cluster
     finally:

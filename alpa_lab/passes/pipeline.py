@@ -247,7 +247,7 @@ class PipelineProblem:
         if end >= self.slicing.num_layers:
             return 0.0
         if self.send_bytes is None:
-            self.send_bytes = _send_bytes(self.graph, self.slicing)
+            self.send_bytes = _send_bytes(self.graph, self.slicing, self.consumers or self.graph.consumers())
         c = self.cluster
         whole_hosts = submesh[1] == c.devices_per_host and c.hosts > 1
         bandwidth = c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
@@ -265,7 +265,7 @@ class PipelineProblem:
         return self.prefixes[key]
 
 
-def _send_bytes(graph: OpGraph, slicing: ProgramSlicing) -> np.ndarray:
+def _send_bytes(graph: OpGraph, slicing: ProgramSlicing, consumers: Mapping[int, Sequence[int]]) -> np.ndarray:
     """[start, end] -> bytes per micro-batch the stage of layers [start, end) exchanges with later stages,
     the heavier direction: max(tensors it computes that a layer >= end reads, tensors a layer >= end
     computes that it reads), each tensor once (``boundary_parts`` counts the same tensors on placed
@@ -274,7 +274,6 @@ def _send_bytes(graph: OpGraph, slicing: ProgramSlicing) -> np.ndarray:
     # out[p, e]: bytes computed in layer p and read in a layer >= e (p < e); back[q, e]: bytes read first
     # in layer q and computed in a layer >= e (q < e); a stage [s, e) sums its rows s..e-1 (others are 0)
     out, back = np.zeros((L + 1, L + 2)), np.zeros((L + 1, L + 2))  # difference arrays along e
-    consumers = graph.consumers()
     for op in graph.ops:
         if slicing.phase[op.index] == APPLY:
             continue
