@@ -89,6 +89,7 @@ class ParallelizedStep:
         layers: int | None = None,
         max_stages: int | None = None,
         cost_model: str = "analytic",
+        remat: bool = False,
     ):
         if method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
@@ -107,6 +108,13 @@ class ParallelizedStep:
             )
         if cost_model not in COST_MODELS:
             raise ValueError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
+        if not isinstance(remat, bool):
+            raise ValueError(f"remat must be True or False, got {remat!r}")
+        if remat and microbatches is None:
+            raise ValueError(
+                "remat=True recomputes each pipeline layer in the backward; a single-mesh plan has no layers: "
+                "plan with microbatches=, or put jax.checkpoint in your step where you want it"
+            )
         if cost_model == "profile" and microbatches is None:
             raise ValueError(
                 "cost_model='profile' times pipeline stages on the devices; a single-mesh plan has no stages: "
@@ -117,6 +125,7 @@ class ParallelizedStep:
         self.schedule = schedule
         self.layers = layers
         self.max_stages = max_stages
+        self.remat = remat
         self.fn = fn
         self.cluster = cluster if cluster is not None else ClusterSpec.local(1, len(jax.devices()))
         if mesh_shape is not None:
@@ -147,7 +156,7 @@ class ParallelizedStep:
         if key not in self._graphs:
             if self.pipelined:
                 self._graphs[key], self._splits[key] = trace_microbatched(
-                    self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS
+                    self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat
                 )
             else:
                 self._graphs[key] = trace(self.fn, *args)
@@ -429,8 +438,11 @@ def call_compiled(compiled: CompiledPlan | CompiledPipeline, graph: OpGraph, arg
     return jax.tree_util.tree_unflatten(graph.out_tree, compiled(*jax.tree_util.tree_leaves(args)))
 
 
-def trace_microbatched(fn: Callable, args: tuple, num_microbatches: int, layers: int) -> tuple[OpGraph, tuple[bool, ...]]:
-    """``fn`` traced on one micro-batch and cut into ``layers`` layers, and which flat leaves were split.
+def trace_microbatched(
+    fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False
+) -> tuple[OpGraph, tuple[bool, ...]]:
+    """``fn`` traced on one micro-batch and cut into ``layers`` layers (each under ``jax.checkpoint``
+    with ``remat``), and which flat leaves were split.
 
     Once, not twice, in the usual case: the batch is guessed from the arguments' shapes (the
     arguments whose array leaves share one leading dimension), the micro-batch traced, and the
@@ -446,7 +458,7 @@ def trace_microbatched(fn: Callable, args: tuple, num_microbatches: int, layers:
             for (_, x), s in zip(flat, guess)
         ]
         try:
-            with auto_layers(layers):
+            with auto_layers(layers, remat=remat):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
         except TraceError:
             graph = None  # the guess made shapes the step cannot take: ask the full-batch trace
@@ -461,7 +473,7 @@ def trace_microbatched(fn: Callable, args: tuple, num_microbatches: int, layers:
                 if tuple(i in data and np.shape(x)[0] == batch for i, (_, x) in enumerate(flat)) == guess:
                     return graph, guess
     micro_args, split = microbatch_args(fn, args, num_microbatches)
-    with auto_layers(layers):
+    with auto_layers(layers, remat=remat):
         return trace(fn, *micro_args), split
 
 
@@ -539,6 +551,7 @@ def parallelize(
     layers: int | None = None,
     max_stages: int | None = None,
     cost_model: str = "analytic",
+    remat: bool = False,
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
     """Wrap a training step for planning and sharded execution (usable as a decorator).
 
@@ -546,7 +559,9 @@ def parallelize(
     the hand-placed ``mark_stage_boundary`` cuts), sliced into stages on sub-meshes by the
     inter-op DP, each stage sharded by the intra-op ILP, run with ``schedule``.
     ``cost_model="profile"`` times the planned stages on this process's devices instead of
-    pricing them (Alpa's profiling cost model; ``runtime.stage_profile``).
+    pricing them (Alpa's profiling cost model; ``runtime.stage_profile``). ``remat=True`` runs
+    each layer under ``jax.checkpoint`` (as Alpa's benchmarks did): eq. 5 then holds only the
+    layers' inputs per micro-batch in flight, and each backward pays for recomputing its forward.
     """
 
     def wrap(f: Callable) -> ParallelizedStep:
@@ -561,6 +576,7 @@ def parallelize(
             layers=layers,
             max_stages=max_stages,
             cost_model=cost_model,
+            remat=remat,
         )
 
     return wrap(fn) if fn is not None else wrap

@@ -43,6 +43,18 @@ def test_magic_pipelined(ip, capsys):
     assert capsys.readouterr().out == ""  # --no-display
 
 
+def test_magic_remat(ip):
+    line = "--cluster local:1x4 --microbatches 4 --layers 3 --remat --args state,batch --name r --no-display"
+    ip.run_cell_magic("parallelize", line, CELL)
+    assert ip.user_ns["train_step"].remat is True
+    plain = al.parallelize(ip.user_ns["ex_step"], cluster=al.ClusterSpec.local(1, 4), microbatches=4, layers=3)
+    plain_plan = plain.plan(ip.user_ns["state"], ip.user_ns["batch"])
+    kept = sum(st.activation_memory for st in ip.user_ns["r"].stages)
+    assert kept < sum(st.activation_memory for st in plain_plan.stages)
+    with pytest.raises(UsageError, match="single-mesh plan has no layers"):
+        ip.run_cell_magic("parallelize", "--cluster local:1x4 --remat --args state,batch", CELL)
+
+
 def test_magic_without_args_only_wraps(ip):
     ip.run_cell_magic("parallelize", "--cluster p3.16xlarge:2", CELL)
     step = ip.user_ns["train_step"]
@@ -96,7 +108,7 @@ def test_help_prints_every_option_and_runs_nothing(ip, capsys):
     assert ip.run_cell_magic("parallelize", "--help", "def helped(state, batch):\n    return state\n") is None
     out = capsys.readouterr().out
     for option in ("--cluster", "--microbatches", "--schedule", "--layers", "--method", "--memory-budget", "--args", "--name",
-                   "--no-display", "p3.16xlarge:8"):
+                   "--no-display", "--remat", "p3.16xlarge:8"):
         assert option in out
     assert "helped" not in ip.user_ns
 

@@ -58,6 +58,8 @@ _MAX_UNITS = 1500
 """Largest op count the layering DP clusters op by op (see ``_layered``)."""
 
 _AUTO_LAYERS: contextvars.ContextVar[int | None] = contextvars.ContextVar("alpa_lab_auto_layers", default=None)
+_REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_remat", default=False)
+"""Whether ``value_and_grad`` runs each layer under ``jax.checkpoint`` (``auto_layers(..., remat=True)``)."""
 _CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("alpa_lab_boundary_calls", default=None)
 """Names of the argument-less ``mark_stage_boundary()`` calls made while ``trace`` watches."""
 _CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_cutting", default=False)
@@ -186,14 +188,22 @@ def _mark_gradients(grads: Any) -> Any:
 
 
 @contextlib.contextmanager
-def auto_layers(num_layers: int | None) -> Iterator[None]:
-    """Within this block, ``value_and_grad`` cuts unmarked loss functions into layers."""
+def auto_layers(num_layers: int | None, remat: bool = False) -> Iterator[None]:
+    """Within this block, ``value_and_grad`` cuts unmarked loss functions into layers.
+
+    With ``remat`` every layer (automatic or hand-marked) also runs under ``jax.checkpoint``,
+    as Alpa's benchmarks ran their models: the forward keeps only each layer's inputs, and
+    the backward recomputes the rest (``passes.stages`` files the recompute under the backward).
+    """
     if num_layers is not None and (isinstance(num_layers, bool) or int(num_layers) != num_layers or num_layers < 1):
         raise ValueError(f"the number of layers must be a positive integer, got {num_layers!r}")
-    token = _AUTO_LAYERS.set(num_layers)
+    if not isinstance(remat, bool):
+        raise ValueError(f"remat must be True or False, got {remat!r}")
+    token, remat_token = _AUTO_LAYERS.set(num_layers), _REMAT.set(remat)
     try:
         yield
     finally:
+        _REMAT.reset(remat_token)
         _AUTO_LAYERS.reset(token)
 
 
@@ -286,12 +296,88 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
 
     def layered(*a: Any) -> Any:
         live.clear()
-        # each op under its own module path, so labels (and the repeated-block reuse that
-        # reads them) survive the re-run
-        outs = evaluate(graph, jax.tree_util.tree_leaves(a), on_output=produced, before=mark_cut, scoped=True)
+        if _REMAT.get():
+            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), on_output=produced, before=mark_cut)
+        else:
+            # each op under its own module path, so labels (and the repeated-block reuse that
+            # reads them) survive the re-run
+            outs = evaluate(graph, jax.tree_util.tree_leaves(a), on_output=produced, before=mark_cut, scoped=True)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return layered
+
+
+def _rematerialized(fun: Callable, args: tuple, kwargs: dict) -> Callable:
+    """``fun`` (whose layers are already marked, by hand or by a cut) re-run with the ops between
+    its boundary markers under ``jax.checkpoint``."""
+    from alpa_lab.graph.trace import trace
+
+    graph = trace(lambda *a: fun(*a, **kwargs), *args, traced_consts=True)
+
+    def run(*a: Any) -> Any:
+        outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set())
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    return run
+
+
+def _checkpointed(
+    graph: Any,
+    flat_args: Sequence[Any],
+    starts: set[int],
+    on_output: Callable[[Op, list[Any]], list[Any]] | None = None,
+    before: Callable[[Op, MutableMapping[int, Any]], None] | None = None,
+) -> list[Any]:
+    """``evaluate(graph, ..., scoped=True)`` with each run of ops between boundary markers (and
+    between the op indices in ``starts``) as one ``jax.checkpoint`` call; the markers run outside,
+    so their mirrors in the backward still delimit the layers."""
+    env: dict[int, Any] = dict(graph.consts)
+    env.update(graph.literals)
+    env.update(zip(graph.invars, flat_args))
+    K = len(graph.ops)
+    last_use: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            last_use[v] = op.index
+    for v in graph.outvars:
+        last_use[v] = K
+
+    def is_boundary(op: Op) -> bool:
+        return op.primitive == "pipeline_marker" and op.params["kind"] == "boundary"
+
+    def bind(op: Op, args: list[Any]) -> list[Any]:
+        with jax.named_scope(op.label) if op.label else contextlib.nullcontext():
+            out = op.bind.bind(*args, **op.params)
+        outs = list(out) if op.bind.multiple_results else [out]
+        return list(on_output(op, outs)) if on_output is not None else outs
+
+    i = 0
+    while i < K:
+        if before is not None:
+            before(graph.ops[i], env)
+        if is_boundary(graph.ops[i]):
+            op = graph.ops[i]
+            env.update(zip(op.outputs, bind(op, [env[v] for v in op.inputs])))
+            i += 1
+            continue
+        j = i + 1
+        while j < K and j not in starts and not is_boundary(graph.ops[j]):
+            j += 1
+        segment = graph.ops[i:j]
+        made = {v for op in segment for v in op.outputs}
+        ins = list(dict.fromkeys(v for op in segment for v in op.inputs if v not in made and v not in graph.literals))
+        outs = [v for op in segment for v in op.outputs if last_use.get(v, -1) >= j]
+
+        def body(*values: Any, segment: Sequence[Op] = segment, ins: list[int] = ins, outs: list[int] = outs) -> list[Any]:
+            local: dict[int, Any] = dict(graph.literals)
+            local.update(zip(ins, values))
+            for op in segment:
+                local.update(zip(op.outputs, bind(op, [local[v] for v in op.inputs])))
+            return [local[v] for v in outs]
+
+        env.update(zip(outs, jax.checkpoint(body)(*[env[v] for v in ins])))
+        i = j
+    return [env[v] for v in graph.outvars]
 
 
 class BoundaryFound(Exception):
@@ -474,10 +560,14 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     def wrapped(*args: Any, **kw: Any) -> Any:
         f = _cut(fun, args, kw) if _CUTTING.get() else None
         num_layers = _AUTO_LAYERS.get()
+        layered = False  # whether _layered cut it (and, with remat, checkpointed its layers)
         if f is None:
             f = _layered(fun, num_layers, args, kw) if num_layers else fun
+            layered = f is not fun
+        if _REMAT.get() and not layered:
+            f = _rematerialized(f, args, kw if f is fun else {})
         if f is not fun:
-            kw = {}  # the cut or layered function closed over them
+            kw = {}  # the cut, layered or rematerialized function closed over them
 
         def marked(*a: Any, **k: Any) -> Any:
             return _mark_loss(f(*a, **k), has_aux)

@@ -14,7 +14,10 @@ mirrors in the backward cut it the same way; the mirror of the ``loss`` marker i
 the backward starts; gradient markers are where the update starts. An op between markers
 takes the layer of its inputs (forward: the latest; backward: the earliest, as the
 backward runs the layers in reverse); an op that reads only weights (a cast, a transpose
-of a weight) takes the layer of its first reader.
+of a weight) takes the layer of its first reader. Forward ops that JAX re-runs inside the
+backward (the body of a ``jax.checkpoint``: after the backward starts, needed by the
+gradients, reading no gradient) are backward ops of the layer whose tensors they read, so
+the forward keeps only the checkpoint's inputs and the backward pays for the recompute.
 """
 
 from __future__ import annotations
@@ -85,7 +88,16 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
     backward_start = loss_markers[1]
 
     # ---- phases ------------------------------------------------------------------------
+    needed = set()  # ops the gradients depend on
+    stack = [i for i in grad_markers]
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        stack.extend(producer[v] for v in ops[i].inputs if producer[v] is not None)
     phase = [FORWARD] * len(ops)
+    rerun: set[int] = set()  # forward ops re-run in the backward (remat), and what only they feed
     for op in ops:
         srcs = [producer[v] for v in op.inputs if producer[v] is not None]
         if op.index in grad_markers or op.index == backward_start:
@@ -94,20 +106,19 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
             phase[op.index] = APPLY
         elif any(phase[s] == BACKWARD for s in srcs):
             phase[op.index] = BACKWARD
+            if all(s in rerun for s in srcs if phase[s] == BACKWARD):
+                rerun.add(op.index)
+        elif op.index > backward_start and op.index in needed:
+            # a forward op re-run inside the backward pass (the body of a jax.checkpoint): it
+            # runs with the backward and reads only what the forward saved (the point of remat)
+            phase[op.index] = BACKWARD
+            rerun.add(op.index)
     kinds = classify_arguments(graph)
     data = tuple(v for v in graph.invars if kinds[v] == "data")
     per_step = set(data)  # tensors that differ between micro-batches, and their descendants
-    needed = set()  # ops the gradients depend on
     for op in ops:
         if any(v in per_step for v in op.inputs):
             per_step.update(op.outputs)
-    stack = [i for i in grad_markers]
-    while stack:
-        i = stack.pop()
-        if i in needed:
-            continue
-        needed.add(i)
-        stack.extend(producer[v] for v in ops[i].inputs if producer[v] is not None)
     consumers = graph.consumers()
     for op in reversed(ops):  # e.g. the optimizer's step count: once per step, with the update
         if (
@@ -183,10 +194,18 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
             layer[i] = num_layers - 1
         elif i in mirror:
             layer[i] = mirror[i] - 1
+        elif i in rerun:
+            continue  # below, once its readers have layers
         else:
             known = [back_layer[v] for v in op.inputs if v in back_layer]
             layer[i] = min(known) if known else num_layers - 1
         back_layer.update((v, layer[i]) for v in op.outputs)
+    for op in reversed(ops):  # re-run ops: the latest layer whose backward reads them (the backward runs
+        i = op.index  # the layers in reverse, so every reader gets it in time)
+        if i in rerun and layer[i] is None:
+            readers = [layer[c] for v in op.outputs for c in consumers[v] if layer[c] is not None and phase[c] != APPLY]
+            forward_known = [var_layer[v] for v in op.inputs if v in var_layer]
+            layer[i] = max(readers) if readers else max(forward_known, default=num_layers - 1)
     for op in reversed(ops):  # forward ops that read only weights: their first reader's layer
         i = op.index
         if phase[i] == FORWARD and layer[i] is None:
