@@ -45,8 +45,8 @@ from alpa_lab.passes.pipeline import MEMORY_SAVING_METHODS, PipelineProblem, che
 from alpa_lab.passes.submesh import place_submeshes, submesh_shapes
 
 # name: (hidden, layers, heads, devices, micro-batches) -- Alpa OSDI'22 Table 4 (GPT-3 family), seq
-# 1024, batch 1024; micro-batches chosen so that activations fit a 16 GB V100 (eq. 5; we do
-# not model rematerialisation, which the paper's runs use, so large models need small micro-batches)
+# 1024, batch 1024; micro-batches chosen so that activations fit a 16 GB V100 (eq. 5) without
+# rematerialisation; with --remat (the default, as the paper's runs) each layer keeps only its input
 GPT_ROWS = {
     "350M": (1024, 24, 16, 1, 1024),
     "1.3B": (2048, 24, 32, 4, 512),
@@ -56,14 +56,15 @@ GPT_ROWS = {
     "39B": (8192, 48, 64, 64, 1024),
     "175B": (12288, 96, 96, 1024, 64),
 }
-# name: (blocks per stage, base width, width factor, devices, micro-batches) -- sized after Table 4's Wide-ResNet
-# rows (our Wide-ResNet has basic blocks, 4 stages; the printed parameter count is the real one)
+# name: (blocks per stage, base width, width factor, devices, micro-batches) -- Table 8's Wide-ResNet rows sized by
+# parameter count (our Wide-ResNet has basic blocks in 4 stages; the base width sets the size, the printed count is the real one)
 WRN_ROWS = {
-    "250M": (4, 160, 2, 1, 768),
-    "1B": (4, 320, 2, 4, 768),
-    "2B": (4, 448, 2, 8, 768),
-    "4B": (4, 640, 2, 16, 384),
-    "6.8B": (4, 320, 8, 32, 384),
+    "250M": (4, 104, 2, 1, 768),
+    "1B": (4, 208, 2, 4, 768),
+    "2B": (4, 296, 2, 8, 768),
+    "4B": (4, 416, 2, 16, 384),
+    "6.8B": (4, 544, 2, 32, 384),
+    "13B": (4, 752, 2, 64, 384),
 }
 TARGETS = {"39B": 10.0, "175B": 60.0}
 
@@ -243,7 +244,7 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     M = args.microbatches or M
     params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(ex.state.params))
     t0 = time.perf_counter()
-    graph, _ = trace_microbatched(ex.train_step, ex.args, M, num_layers)
+    graph, _ = trace_microbatched(ex.train_step, ex.args, M, num_layers, remat=args.remat)
     t_trace = time.perf_counter() - t0
     problem, stages, timeline = plan_pipeline(
         graph, cluster, num_microbatches=M, schedule="1f1b", logical_meshes=args.logical_meshes
@@ -299,7 +300,7 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt,wresnet")
-    parser.add_argument("--rows", default="350M,1.3B,2.6B,6.7B,15B,39B,250M,1B,2B,4B,6.8B")
+    parser.add_argument("--rows", default="350M,1.3B,2.6B,6.7B,15B,39B,175B,250M,1B,2B,4B,6.8B,13B")
     parser.add_argument("--batch", type=int, default=1024, help="GPT global batch (sequences)")
     parser.add_argument("--wrn-batch", type=int, default=1536, help="Wide-ResNet global batch (images)")
     parser.add_argument("--microbatches", type=int, default=None, help="override every row's micro-batch count")
@@ -307,9 +308,12 @@ def main() -> None:
     parser.add_argument("--no-reuse-up-to", type=int, default=4, help="also plan without reuse for rows up to this many devices")
     parser.add_argument("--simulate-top", type=int, default=3, help="simulate each baseline's best configurations by eq. 2")
     parser.add_argument("--logical-meshes", default="single_node_model_parallel", choices=("all", "single_node_model_parallel"))
+    parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
+                        help="checkpoint every layer (jax.checkpoint), as the paper's benchmarks did (default on)")
     args = parser.parse_args()
     rows = args.rows.split(",")
-    print("Two-level planning on p3.16xlarge hosts (V100 16 GB, NVLink inside a host, 25 Gb/s across), 1F1B")
+    print("Two-level planning on p3.16xlarge hosts (V100 16 GB, NVLink inside a host, 25 Gb/s across), 1F1B, "
+          f"{'per-layer remat' if args.remat else 'no remat'}")
     for kind, table in (("gpt", GPT_ROWS), ("wresnet", WRN_ROWS)):
         if kind not in args.models.split(","):
             continue
