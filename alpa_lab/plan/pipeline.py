@@ -120,14 +120,14 @@ class PipelinePlan:
     schedule: str
     num_layers: int
     stages: tuple[StageResult, ...]
-    timeline: Any
+    timeline: Timeline
     split_inputs: tuple[str, ...]
     """argument paths cut into micro-batches along axis 0 (the batch)."""
     stage_pins: bool = False
     planning_seconds: Mapping[str, float] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
-    problem: Any = field(default=None, compare=False, repr=False)
-    """the planner state (``passes.pipeline.PipelineProblem``): not saved; ``ParallelizedStep.use`` re-attaches it."""
+    problem: PipelinePlanProblem | None = field(default=None, compare=False, repr=False)
+    """the planner state (``passes.pipeline.PipelineProblem``) edits ask: not saved; ``ParallelizedStep.use`` re-attaches it."""
     max_stages: int | None = None
     """the stage DP's bound this plan was solved with (``parallelize(max_stages=)``): saved, so that a
     re-solve (``unpin_stages``, ``recalibrated``) searches the same space."""
@@ -386,7 +386,7 @@ class PipelinePlan:
         outs = dict(homes["result"]) if results is None else placed(results, "result")
         return placed(args, "argument"), outs
 
-    def attach(self, problem: Any) -> PipelinePlan:
+    def attach(self, problem: PipelinePlanProblem) -> PipelinePlan:
         """This plan with ``problem`` (the ``PipelineProblem`` of its program) as its planner state.
 
         What ``ParallelizedStep.use`` does for a loaded plan, so that it runs and can be edited
