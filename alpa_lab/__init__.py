@@ -25,14 +25,14 @@ import importlib as _importlib
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
 from alpa_lab.graph.markers import grad, mark_stage_boundary, value_and_grad
 from alpa_lab.graph.trace import TraceError, trace
-from alpa_lab.passes.ilp import InfeasibleError
-from alpa_lab.passes.intra_op import PinError
-from alpa_lab.passes.methods import METHODS, MethodError
-from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
+from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError
 from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 
 _LAZY = {
+    "InfeasibleError": "alpa_lab.passes.ilp",
+    "METHODS": "alpa_lab.passes.methods",
+    "MethodError": "alpa_lab.passes.methods",
     "ParallelizedStep": "alpa_lab.api",
     "parallelize": "alpa_lab.api",
     "plan_graph": "alpa_lab.api",
@@ -42,8 +42,8 @@ _LAZY = {
     "MeshWorkerError": "alpa_lab.runtime.ray_run",
     "RayRun": "alpa_lab.runtime.ray_run",
 }
-"""Names whose modules import the runtime: loaded on first use, so that a script using only
-plans (``Plan.load(...).jit(step)``) runs without importing alpa_lab's runtime."""
+"""Names whose modules import the passes or the runtime: loaded on first use, so that a script
+using only plans (``Plan.load(...).jit(step)``) runs without importing alpa_lab's passes or runtime."""
 
 
 def __getattr__(name: str):  # noqa: ANN202 (PEP 562 module attribute hook)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -18,13 +18,13 @@ import numpy as np
 from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
-from alpa_lab.graph.trace import TraceError, _path_str, trace
+from alpa_lab.graph.trace import TraceError, _path_str, args_signature, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
-from alpa_lab.passes.methods import METHODS, MethodError, solve_tied
+from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import SCHEDULES
-from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, make_plan
-from alpa_lab.runtime.apply import CompiledPlan, compile_plan
+from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
+from alpa_lab.runtime.apply import CompiledPlan, call_compiled, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
 
 COST_MODELS = ("analytic", "profile")
@@ -151,7 +151,7 @@ class ParallelizedStep:
 
         A pipelined step is traced on one micro-batch, cut into layers (``auto_layers``).
         """
-        key = _signature(args)
+        key = args_signature(args)
         self._last_args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
         if key not in self._graphs:
             if self.pipelined:
@@ -165,7 +165,7 @@ class ParallelizedStep:
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
         self.trace(*args)
-        return self._splits[_signature(args)]
+        return self._splits[args_signature(args)]
 
     def _plan_pipeline(self, args: tuple, pins: Mapping[str, str] | None, progress: Callable[[str], None] | None) -> PipelinePlan:
         t0 = time.perf_counter()
@@ -429,15 +429,6 @@ class ParallelizedStep:
         return self.compiled(*args).lower_text(*jax.tree_util.tree_leaves(args))
 
 
-def call_compiled(compiled: CompiledPlan | CompiledPipeline, graph: OpGraph, args: tuple) -> Any:
-    """Run a compiled plan on the step's arguments: flat leaves in, results in the step's own structure.
-
-    Shared by ``ParallelizedStep.__call__`` and a ``TrainingRun``, which keeps calling the program it
-    compiled at launch whatever plan the step has since.
-    """
-    return jax.tree_util.tree_unflatten(graph.out_tree, compiled(*jax.tree_util.tree_leaves(args)))
-
-
 def trace_microbatched(
     fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False
 ) -> tuple[OpGraph, tuple[bool, ...]]:
@@ -532,11 +523,6 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
         for (_, x), s in zip(flat, split)
     ]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro), split
-
-
-def _signature(args: Iterable[Any]) -> Any:
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
 def parallelize(

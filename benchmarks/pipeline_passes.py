@@ -38,7 +38,7 @@ from alpa_lab.passes.inter_op import (
     logical_shapes,
     stage_dp,
 )
-from alpa_lab.passes.layering import brute_force_layers, cluster_layers
+from alpa_lab.graph.layering import brute_force_layers, cluster_layers
 from alpa_lab.passes.schedule import check, make_schedule, simulate
 from alpa_lab.passes.submesh import submesh_shapes
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from alpa_lab.passes.layering import (
+from alpa_lab.graph.layering import (
     Layering,
     brute_force_layers,
     cluster_layers,

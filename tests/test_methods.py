@@ -6,8 +6,7 @@ import pytest
 
 import alpa_lab as al
 from alpa_lab.models import MLPConfig, make_mlp
-from alpa_lab.passes.methods import REWRITE_TOLERANCE, MethodError, shard_weight_update, solve_method
-from alpa_lab.plan import make_plan
+from alpa_lab.passes.methods import REWRITE_TOLERANCE, MethodError, make_plan, shard_weight_update, solve_method
 from alpa_lab.sharding.spec import ShardingSpec
 
 CLUSTER = al.ClusterSpec.local(1, 4)

@@ -425,3 +425,13 @@ def test_zb_h1_structural_errors():
         check(_replace_stage(sched, 0, mixed))
     with pytest.raises(ValueError, match="weight_time has 1 entries for 2 stages"):
         simulate(zb_h1(2, 2), weight_time=[1.0])
+
+
+def test_schedule_names_a_plan_may_carry_are_the_schedules_built():
+    """``plan.timeline.SCHEDULE_NAMES`` (what a saved pipeline plan's ``schedule`` may be, below the
+    passes) lists the schedules ``SCHEDULES`` builds; ``Timeline`` is the plan's, re-exported here."""
+    from alpa_lab import plan
+    from alpa_lab.passes import schedule
+
+    assert tuple(schedule.SCHEDULES) == plan.SCHEDULE_NAMES
+    assert schedule.Timeline is plan.Timeline and schedule.TimelineRecord is plan.TimelineRecord

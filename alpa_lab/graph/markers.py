@@ -11,7 +11,7 @@ named ``"loss"``), whose mirror in the backward pass is where the backward start
 
 Automatic layering (Alpa's ``AutoLayerOption``): inside ``auto_layers(L)``, and when the
 loss function has no hand-placed boundaries, ``value_and_grad`` traces the loss function,
-clusters its ops into L layers by the DP of eq. 6 (``passes.layering``) and re-runs it
+clusters its ops into L layers by the DP of eq. 6 (``graph.layering``) and re-runs it
 with a boundary marker (``"layer1"`` ... ``"layer{L-1}"``) on every tensor crossing a
 layer boundary, before differentiating; so each layer's backward is delimited too.
 
@@ -251,7 +251,7 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     or has fewer ops than layers asked for.
     """
     from alpa_lab.graph.trace import trace
-    from alpa_lab.passes.layering import cluster_layers
+    from alpa_lab.graph.layering import cluster_layers
 
     graph = trace(lambda *a: fun(*a, **kwargs), *args, traced_consts=True)
     if any(op.primitive == "pipeline_marker" and op.params["kind"] == "boundary" for op in graph.ops):

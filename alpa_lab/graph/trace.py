@@ -244,6 +244,13 @@ def op_flops(prim: str, params: dict, ins: list[Var], outs: list[Var]) -> float:
     return float(out_elems)
 
 
+def args_signature(args: Any) -> Any:
+    """The arguments' tree structure and each leaf's shape and dtype: what a trace depends on, so a
+    cache key for traced programs (``ParallelizedStep``, ``Plan.jit``, a training run's program)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+
 def param_signature(params: dict) -> str:
     """Parameters that define an op's meaning, as text (bodies of control flow by size)."""
     parts = []

@@ -1,6 +1,6 @@
 """Inter-operator pass: stage construction by dynamic programming (Alpa, OSDI'22, sec. 5.2).
 
-The L layers (from :mod:`alpa_lab.passes.layering`) are sliced into S contiguous stages;
+The L layers (from :mod:`alpa_lab.graph.layering`) are sliced into S contiguous stages;
 stage i runs on a sub-mesh of shape (n_i, m_i) from :func:`submesh_shapes`, viewed as a
 logical mesh (a, b) with a * b = n_i * m_i, and costs t_i per micro-batch (forward +
 backward, as profiled/estimated by the intra-op pass). With B micro-batches the pipeline
@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from alpa_lab.plan.timeline import pipeline_latency  # eq. 2: a pipeline plan's latency too
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
 
 __all__ = [
@@ -128,11 +129,6 @@ def logical_shapes(submesh_shape: Shape) -> tuple[Shape, ...]:
     n, m = submesh_shape
     size = n * m
     return tuple((a, size // a) for a in range(1, size + 1) if size % a == 0)
-
-
-def pipeline_latency(times: list[float] | tuple[float, ...], num_microbatches: int) -> float:
-    """Eq. 2: sum of stage latencies plus (B - 1) times the slowest stage."""
-    return float(sum(times)) + (num_microbatches - 1) * float(max(times))
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> int:

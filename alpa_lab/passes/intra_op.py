@@ -27,18 +27,11 @@ from alpa_lab.graph.analysis import classify_arguments, find_aliases
 from alpa_lab.graph.opgraph import Op, OpGraph, Var, did_you_mean
 from alpa_lab.graph.trace import param_signature
 from alpa_lab.passes.ilp import CostGraph, ILPSolution, InfeasibleError, solve
+from alpa_lab.plan import Alternative, Explanation, PinError, Plan  # PinError: defined with the plan, raised here too
 from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.rules import has_rule, is_follower, strategies_for
 from alpa_lab.sharding.spec import ShardingSpec, enumerate_specs
 from alpa_lab.sharding.strategy import Strategy
-
-
-class PinError(ValueError):
-    """A pin that names no op, names a strategy the op does not have, or conflicts."""
-
-    def __init__(self, message: str, pins: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.pins = pins
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,6 +113,48 @@ class StrategyGraph:
                 return i
         hint = did_you_mean(name, [n.name for n in self.nodes])
         raise PinError(f"no op or argument named {name!r} in this program{hint}", (name,))
+
+    # ----- what a Plan of this problem asks (``plan.single.PlanProblem``): the plan is data, the work is here -----
+    def replan(self, plan: Plan, pins: Mapping[str, str]) -> Plan:
+        """``Plan.pin`` / ``unpin``: ``plan`` re-solved with ``pins``, by its method, memory budget and mesh."""
+        from alpa_lab.passes.methods import make_plan, solve_method  # methods builds on this module
+
+        solved = solve_method(self, plan.method, pins, memory_budget=plan.memory_budget)
+        return make_plan(
+            self, solved, method=plan.method, cluster=plan.cluster, pins=pins,
+            memory_budget=plan.memory_budget, mesh_candidates=plan.mesh_candidates,
+        )
+
+    def explain(self, plan: Plan, op: str) -> Explanation:
+        """``Plan.explain``: every strategy of ``op`` with its cost, the rest of ``plan`` held fixed."""
+        sg = self
+        n = sg.node_index(op)
+        node = sg.nodes[n]
+        chosen = {o.name: o.strategy for o in plan.ops}
+        choice = {i: sg.nodes[i].strategy_index(chosen[nd.name]) for i, nd in enumerate(sg.nodes)}
+        alts = []
+        for j, s in enumerate(node.strategies):
+            reshard = 0.0
+            for e in sg.edges:
+                if e.consumer == n:
+                    src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+                    dst = s.input_specs[e.operand]
+                elif e.producer == n:
+                    src = s.output_specs[e.output]
+                    if e.consumer >= 0:
+                        dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
+                    else:
+                        dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
+                elif e.consumer < 0 and e.operand == n:
+                    src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+                    dst = s.output_specs[0]
+                else:
+                    continue
+                shape, itemsize = sg.var_info[e.var]
+                reshard += resharding(src, dst, shape, itemsize, sg.mesh).cost
+            alts.append(Alternative(s.name, s.cost, reshard, j == choice[n]))
+        leader = sg.nodes[int(sg.group_of_node[n])].name
+        return Explanation(plan.op(op), tuple(alts), leader)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, solve_strategy_graph
+from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
+from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.spec import ShardingSpec
 
 METHODS = ("alpa", "data_parallel", "zero2", "zero3", "megatron")
@@ -204,3 +206,104 @@ def shard_weight_update(
     if rewritten.objective > solution.objective * (1 + REWRITE_TOLERANCE):
         return MethodSolution(solution, {})
     return MethodSolution(rewritten, {**restrictions, **{k: (v,) for k, v in keep.items()}}, tuple(rewrites))
+
+
+def make_plan(
+    sg: StrategyGraph,
+    solved: MethodSolution,
+    *,
+    method: str,
+    cluster: Mapping[str, Any],
+    pins: Mapping[str, str],
+    memory_budget: float | None,
+    mesh_candidates: tuple = (),
+) -> Plan:
+    """Turn a solved strategy graph into a Plan: pure data, with ``sg`` as its problem (what ``pin`` re-solves)."""
+    solution = solved.solution
+    choice = solution.choice
+    in_paths, out_paths = sg.in_paths, sg.out_paths
+    ops = []
+    for i, node in enumerate(sg.nodes):
+        s = node.strategies[choice[i]]
+        ops.append(
+            OpPlan(
+                name=node.name,
+                kind=node.kind,
+                primitive=node.primitive,
+                label=node.label,
+                strategy=s.name,
+                input_specs=tuple(map(str, s.input_specs)),
+                output_specs=tuple(map(str, s.output_specs)),
+                compute_cost=s.compute_cost,
+                communication_cost=s.communication_cost,
+                memory_cost=s.memory_cost,
+                collectives=s.collectives,
+                merged_into=sg.nodes[int(sg.group_of_node[i])].name,
+                num_strategies=len(node.strategies),
+            )
+        )
+    reshardings = []
+    seen = set()
+    for e in sg.edges:
+        src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+        if e.consumer >= 0:
+            dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
+            consumer = sg.nodes[e.consumer].name
+        else:
+            dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
+            consumer = f"output {out_paths[-1 - e.consumer]}"
+        if src == dst or (e.var, dst) in seen:
+            continue  # XLA reshards a tensor once per target spec, however many consumers
+        seen.add((e.var, dst))
+        shape, itemsize = sg.var_info[e.var]
+        r = resharding(src, dst, shape, itemsize, sg.mesh)
+        if r.collectives:
+            reshardings.append(
+                ReshardingPlan(sg.nodes[e.producer].name, consumer, shape, sg.var_dtype[e.var], str(src), str(dst), r.collectives)
+            )
+    spec_of_var = {}
+    for vid, (n, out) in sg.node_of_var.items():
+        spec_of_var[vid] = str(sg.nodes[n].strategies[choice[n]].output_specs[out])
+    inputs = tuple(
+        TensorPlan(path, sg.var_info[v][0], sg.var_dtype[v], spec_of_var.get(v, "R" * len(sg.var_info[v][0]) or "-"))
+        for path, v in zip(in_paths, sg.invars)
+    )
+    outputs = []
+    for pos, (path, v) in enumerate(zip(out_paths, sg.outvars)):
+        shape = sg.var_info[v][0]
+        if pos in sg.aliases and sg.aliases[pos] in spec_of_var:
+            spec = spec_of_var[sg.aliases[pos]]
+        else:
+            spec = spec_of_var.get(v, "R" * len(shape) or "-")
+        outputs.append(TensorPlan(path, shape, sg.var_dtype[v], spec))
+    ilp = solution.ilp
+    return Plan(
+        fingerprint=sg.fingerprint,
+        method=method,
+        cluster=dict(cluster),
+        mesh_shape=tuple(sg.mesh.shape),
+        device_ids=tuple(sg.mesh.device_ids),
+        ops=tuple(ops),
+        inputs=inputs,
+        outputs=tuple(outputs),
+        reshardings=tuple(reshardings),
+        pins=tuple(pins.items()),
+        objective=solution.objective,
+        memory_budget=memory_budget,
+        solver={
+            "variables": ilp.num_variables,
+            "constraints": ilp.num_constraints,
+            "build_seconds": ilp.build_seconds + sg.build_seconds,
+            "solve_seconds": ilp.solve_seconds,
+            "reduced_nodes": ilp.reduced_nodes,
+            "ilp_nodes": len(sg.cost_graph.node_costs),
+            "ops": sum(1 for n in sg.nodes if n.kind == "op"),
+            "status": ilp.status,
+            "tie_period": sg.tie_period,
+        },
+        mesh_candidates=tuple(mesh_candidates),
+        unplanned_primitives=sg.unplanned_primitives,
+        rewrites=solved.rewrites,
+        problem=sg,
+    )
+

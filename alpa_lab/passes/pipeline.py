@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
-from alpa_lab.cost.profile import CostParts
+from alpa_lab.cost.profile import CostParts, ProfileError
 from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
 from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, cost_signature, retie, solve_strategy_graph
-from alpa_lab.passes.methods import method_restrictions, solve_tied
+from alpa_lab.passes.methods import make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
-from alpa_lab.plan import Plan, StageResult, make_plan, memory_per_mesh
+from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
 LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel")
@@ -263,6 +263,135 @@ class PipelineProblem:
             sums = np.vstack([np.zeros((1, 5)), np.cumsum(table.reshape(-1, 5), axis=0)])
             self.prefixes[key] = tuple(sums[:, j] for j in range(5))
         return self.prefixes[key]
+
+
+    # ----- a PipelinePlan's edits (``plan.pipeline.PipelinePlanProblem``): the plan is data, the work is here -----
+    def replan(
+        self, plan: PipelinePlan, stages: Sequence[tuple], pins: Mapping[str, str], stage_pins: bool, schedule: str | None = None
+    ) -> PipelinePlan:
+        """``plan`` with ``stages`` (layers, sub-mesh, logical mesh, devices each) planned with ``pins`` (cached
+        stages are reused) and simulated under ``schedule`` (default: the plan's); memory checked (eq. 5)."""
+        schedule = schedule or plan.schedule
+        results, timeline = plan_stages(
+            self, stages, num_microbatches=plan.num_microbatches, schedule=schedule, method=plan.method, pins=pins
+        )
+        check_memory(results, ClusterSpec(**plan.cluster))
+        return dataclasses.replace(plan, stages=results, timeline=timeline, stage_pins=stage_pins, schedule=schedule)
+
+    def with_schedule(self, plan: PipelinePlan, schedule: str, chunks: int) -> PipelinePlan:
+        """``PipelinePlan.with_schedule``: the same stages under ``schedule`` (interleaved: ``chunks`` per mesh)."""
+        stages = plan._current_stages()
+        if schedule == "interleaved_1f1b" and plan.num_meshes == plan.num_stages:
+            stages = interleave(stages, plan.num_layers, chunks)
+        return self.replan(plan, stages, dict(plan.pins), plan.stage_pins, schedule)
+
+    def pin_stages(self, plan: PipelinePlan, layers: Any, submeshes: Any, logical_shapes: Any) -> PipelinePlan:
+        """``PipelinePlan.pin_stages``: the stages the user gives (``fixed_stages``), op pins kept."""
+        return self.replan(plan, fixed_stages(self, layers, submeshes, logical_shapes), dict(plan.pins), True)
+
+    def unpin_stages(self, plan: PipelinePlan) -> PipelinePlan:
+        """``PipelinePlan.unpin_stages``: the stages the DP chooses (layer costs from this problem's cache)."""
+        return self.replan(plan, self._dp_stages(plan, ClusterSpec(**plan.cluster)), dict(plan.pins), False)
+
+    def _dp_stages(self, plan: PipelinePlan, cluster: ClusterSpec) -> list[tuple]:
+        """The stages the DP chooses for ``plan``'s program on ``cluster`` (its method, schedule, ``max_stages``);
+        for an interleaved plan, 1F1B's stages interleaved again with as many chunks."""
+        interleaved = plan.schedule == "interleaved_1f1b"
+        _, stages, _ = plan_pipeline(
+            self.graph, cluster, num_microbatches=plan.num_microbatches,
+            schedule="1f1b" if interleaved else plan.schedule, method=plan.method, max_stages=plan.max_stages,
+            problem=self,
+        )
+        chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
+        if interleaved:
+            chosen = interleave(chosen, plan.num_layers, plan.num_stages // plan.num_meshes)
+        return chosen
+
+    def recalibrated(self, plan: PipelinePlan, profile: Any) -> PipelinePlan:
+        """``PipelinePlan.recalibrated``: ``plan`` re-solved from scratch with ``profile.cluster()``, by a new
+        problem over the same program, reuse and cost model (this one's caches hold the old costs)."""
+        measured_on = (profile.cluster_spec["hosts"], profile.cluster_spec["devices_per_host"])
+        if measured_on != (plan.cluster["hosts"], plan.cluster["devices_per_host"]):
+            raise ProfileError(
+                f"the profile was measured on {profile.cluster_spec['hosts']}x{profile.cluster_spec['devices_per_host']} devices "
+                f"but this plan is for {plan.cluster['hosts']}x{plan.cluster['devices_per_host']}: profile a run of a plan for this cluster"
+            )
+        cluster = profile.cluster()
+        t0 = time.perf_counter()
+        new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
+        new.stage_timer = self.stage_timer
+        if plan.stage_pins:
+            # the user fixed the stages: keep them as planned (chunks of an interleaved plan share
+            # meshes, which fixed_stages would place apart), and each stage's layout (memory-saving or not)
+            chosen = plan._current_stages()
+            if plan.method == "alpa":
+                for st in plan.stages:
+                    if st.plan.method != plan.method:
+                        new.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.plan.method
+        else:
+            chosen = new._dp_stages(plan, cluster)
+        fresh = dataclasses.replace(
+            plan, cluster=cluster.to_dict(), problem=new,
+            planning_seconds={"recalibrate": time.perf_counter() - t0, **new.seconds},
+        )
+        return new.replan(fresh, chosen, dict(plan.pins), plan.stage_pins)
+
+    def attach(self, plan: PipelinePlan) -> PipelinePlan:
+        """``PipelinePlan.attach``: ``plan`` (loaded from JSON) with this problem as its planner state.
+
+        Each stage's ``Plan`` gets its strategy graph (``stage_graph``, cached here); this problem
+        learns the layout each stage was planned with (a DP-chosen memory-saving one stays on
+        re-plans) and caches the stage plans, so an edit re-solves only the stages it touches.
+        Raises ``PlanFormatError`` when the plan does not fit (another program, another cluster,
+        stage plans that are not this program's), before recording anything here but strategy graphs.
+        """
+        plan.check_program(self.graph)
+        if self.slicing.num_layers != plan.num_layers:
+            raise PlanFormatError(
+                f"this pipeline plan cuts the program into {plan.num_layers} layers but the traced program has "
+                f"{self.slicing.num_layers}; re-plan with step.plan(...)"
+            )
+        if self.cluster.to_dict() != dict(plan.cluster):
+            raise PlanFormatError("the planner state given is for another cluster than this pipeline plan's")
+        graphs = []
+        for st in plan.stages:
+            period = int(st.plan.solver.get("tie_period", 1))
+            sg = self.stage_graph(st.layers, st.submesh_shape, st.logical_shape, st.device_ids, period)
+            if sg.fingerprint != st.plan.fingerprint:
+                raise PlanFormatError(
+                    f"stage {st.index}'s plan (layers {st.layers[0]}..{st.layers[1] - 1}) belongs to another program "
+                    f"than that stage of the traced program; re-plan with step.plan(...)"
+                )
+            _check_choices(st, sg)
+            graphs.append(sg)
+        stages = []
+        for st, sg in zip(plan.stages, graphs):
+            if plan.method == "alpa":  # as plan_pipeline records the DP's choice of layout
+                if st.plan.method != plan.method:
+                    self.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.plan.method
+                else:
+                    self.stage_methods.pop((st.layers, st.submesh_shape, st.logical_shape), None)
+            key = (st.layers, st.logical_shape, st.device_ids, st.plan.method, tuple(sorted(dict(st.plan.pins).items())))
+            cached = self.stage_plans.get(key)
+            if cached is not None and cached == st.plan and cached.problem is sg:
+                stage_plan = cached
+            else:
+                stage_plan = dataclasses.replace(st.plan, problem=sg)
+                self.stage_plans.setdefault(key, stage_plan)
+            stages.append(dataclasses.replace(st, plan=stage_plan))
+        return dataclasses.replace(plan, stages=tuple(stages), problem=self)
+
+
+def _check_choices(st: StageResult, sg: StrategyGraph) -> None:
+    """Each op of a stage's plan is a node of its strategy graph, with a strategy that node offers."""
+    if [o.name for o in st.plan.ops] != [n.name for n in sg.nodes]:
+        raise PlanFormatError(f"stage {st.index}'s plan does not list the ops of that stage's program; re-plan with step.plan(...)")
+    for o, node in zip(st.plan.ops, sg.nodes):
+        if o.strategy not in {s.name for s in node.strategies}:
+            raise PlanFormatError(
+                f"stage {st.index}'s plan gives {o.name!r} the strategy {o.strategy!r}, which the planner does not "
+                f"offer for it (see plan.stages[{st.index}].plan.explain({o.name!r}) on a planned step)"
+            )
 
 
 def _send_bytes(graph: OpGraph, slicing: ProgramSlicing, consumers: Mapping[int, Sequence[int]]) -> np.ndarray:

@@ -54,6 +54,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from alpa_lab.plan.timeline import Timeline, TimelineRecord  # data a PipelinePlan keeps: defined below the passes
+
 __all__ = [
     "BACKWARD",
     "BACKWARD_INPUT",
@@ -373,7 +375,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("zb_h1", S, M, tuple(_lower(order, range(S)) for order in programs))
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
+SCHEDULES: dict[str, Callable[..., Schedule]] = {  # in the order of plan.timeline.SCHEDULE_NAMES
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "eager_1f1b": eager_one_f_one_b,
@@ -408,50 +410,6 @@ def make_schedule(
 # ---------------------------------------------------------------------------------------
 # Simulation
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TimelineRecord:
-    """When one instruction ran. SEND/RECV/FREE have start == end (zero duration)."""
-
-    stage: int
-    kind: str
-    phase: str
-    microbatch: int
-    start: float
-    end: float
-    mesh: int | None = None  # the mesh that ran it (simulate always sets it)
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Result of ``simulate``: records per instruction, in each mesh's program order.
-
-    ``peak_in_flight`` is per stage: micro-batches whose forward ran and whose backward
-    (or B) has not. ``mesh_peak_in_flight`` sums that over each mesh's stages (the mesh's
-    activation memory, in micro-batch chunks). ``peak_unfreed`` is per stage: forward ran,
-    FREE not yet (adds ZB's micro-batches waiting for W); ``mesh_peak_unfreed`` sums it
-    per mesh. ``bubble_fraction`` is idle time
-    over all meshes' makespan; ``mesh_bubble_fractions`` the same per mesh.
-    """
-
-    records: tuple[TimelineRecord, ...]
-    makespan: float
-    bubble_fraction: float
-    peak_in_flight: tuple[int, ...]
-    mesh_peak_in_flight: tuple[int, ...] = ()
-    peak_unfreed: tuple[int, ...] = ()
-    mesh_bubble_fractions: tuple[float, ...] = ()
-    mesh_peak_unfreed: tuple[int, ...] = ()
-    transfer_time: float = 0.0
-    """seconds each cross-mesh SEND takes to arrive (the simulation's one transfer time)."""
-
-    def run(self, stage: int, phase: str, microbatch: int) -> TimelineRecord:
-        """The RUN record of (stage, phase, micro-batch)."""
-        for r in self.records:
-            if r.kind == "RUN" and (r.stage, r.phase, r.microbatch) == (stage, phase, microbatch):
-                return r
-        raise KeyError((stage, phase, microbatch))
 
 
 def _per_stage(value: float | Sequence[float], num_stages: int, label: str) -> tuple[float, ...]:

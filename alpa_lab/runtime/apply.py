@@ -20,7 +20,7 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.plan import Plan
 from alpa_lab.sharding.constraints import DeviceError, compile_graph, device_mesh
 
-__all__ = ["CompiledPlan", "DeviceError", "compile_graph", "compile_plan", "make_mesh"]
+__all__ = ["CompiledPlan", "DeviceError", "call_compiled", "compile_graph", "compile_plan", "make_mesh"]
 
 
 def make_mesh(plan: Plan, devices: list | None = None) -> Mesh:
@@ -62,3 +62,13 @@ def compile_plan(graph: OpGraph, plan: Plan, devices: list | None = None) -> Com
         mesh,
     )
     return CompiledPlan(plan, mesh, fn, in_shardings, out_shardings)
+
+
+def call_compiled(compiled: Callable[..., Any], graph: OpGraph, args: tuple) -> Any:
+    """Run a compiled plan (``CompiledPlan`` or ``runtime.pipeline.CompiledPipeline``) on the step's
+    arguments: flat leaves in, results in the step's own structure.
+
+    Shared by ``ParallelizedStep.__call__`` and a ``TrainingRun``, which keeps calling the program it
+    compiled at launch whatever plan the step has since.
+    """
+    return jax.tree_util.tree_unflatten(graph.out_tree, compiled(*jax.tree_util.tree_leaves(args)))

@@ -23,6 +23,8 @@ import jax
 import numpy as np
 
 from alpa_lab.cost.profile import Profile
+from alpa_lab.graph.trace import args_signature
+from alpa_lab.runtime.apply import call_compiled
 from alpa_lab.runtime.mesh_worker import Event, memory_rows
 from alpa_lab.runtime.monitor import MemoryRow, RunMonitor, StepRecord, median_step, profile
 
@@ -228,8 +230,6 @@ class TrainingRun:
 
     def _compile(self, args: tuple) -> tuple[Any, Any, Any]:
         """The launch plan's compiled program, its traced graph and argument signature, for the whole run."""
-        from alpa_lab.api import _signature
-
         self._check_plan()
         graph = self.step.trace(*args)
         compiled = self.step.compiled(*args)
@@ -237,7 +237,7 @@ class TrainingRun:
             if compiled.plan != self.plan:
                 raise RuntimeError(self._changed())
             self.plan = compiled.plan  # a loaded plan, with the planner state compiling attached to it
-        return compiled, graph, _signature(args)
+        return compiled, graph, args_signature(args)
 
     def _describe(self, err: BaseException, prefix: str = "") -> str:
         """The error as the run shows it; a mesh worker's also says where this run keeps the last good state."""
@@ -250,7 +250,6 @@ class TrainingRun:
 
     def _loop(self, batch: tuple, program: tuple[Any, Any, Any] | None) -> None:
         """``steps`` steps on the Ray run, or of ``program`` (compiled at launch) in this process."""
-        from alpa_lab.api import _signature, call_compiled
         from alpa_lab.runtime.pipeline import CompiledPipeline
 
         mon = self.monitor
@@ -277,7 +276,7 @@ class TrainingRun:
                     self.result = (self.state, *(out if isinstance(out, tuple) else (out,)))  # as step(state, batch) returns
                 else:
                     args = (self.state, *batch)
-                    if _signature(args) != signature:  # the program is for the first step's shapes
+                    if args_signature(args) != signature:  # the program is for the first step's shapes
                         raise ValueError(
                             f"step {i}'s arguments differ in structure, shape or dtype from the first step's: "
                             "a run trains one compiled program; launch a run per shape"

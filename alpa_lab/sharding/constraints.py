@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from alpa_lab.graph.evaluate import evaluate
 from alpa_lab.graph.opgraph import Op, OpGraph
-from alpa_lab.graph.trace import trace
+from alpa_lab.graph.trace import args_signature, trace
 from alpa_lab.sharding.spec import ShardingSpec
 
 __all__ = ["ConstrainedStep", "DeviceError", "OpSpecs", "compile_graph", "device_mesh", "spec_sharding"]
@@ -104,11 +104,6 @@ def compile_graph(
     return fn, in_shardings, out_shardings
 
 
-def _signature(args: Any) -> Any:
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
-
-
 @dataclass(frozen=True, eq=False)
 class _Bound:
     graph: OpGraph
@@ -136,7 +131,7 @@ class ConstrainedStep:
     _bound: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _bind(self, args: tuple) -> _Bound:
-        key = _signature(args)
+        key = args_signature(args)
         if key not in self._bound:
             graph = trace(self.fn, *args)
             if graph.fingerprint != self.fingerprint:
