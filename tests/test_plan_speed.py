@@ -166,6 +166,79 @@ def test_a_stage_placed_on_other_devices_shares_its_problem_but_keeps_its_device
     assert [o.strategy for o in p0.ops] == [o.strategy for o in p1.ops]
 
 
+def _stack_problem(reuse: bool = True) -> PipelineProblem:
+    """An 8-layer GPT whose layers 1-6 are equal (layer keys 0, 1, 1, 1, 1, 1, 1, 2)."""
+    from alpa_lab.models import gpt_config, make_gpt
+
+    ex = make_gpt(gpt_config(layers=8, hidden=256, heads=8, batch=16, seq_len=128, vocab=1024), abstract=True)
+    graph, _ = trace_microbatched(ex.train_step, ex.args, 4, 8)
+    return PipelineProblem.build(graph, al.ClusterSpec.local(2, 4), reuse=reuse)
+
+
+TWIN_STAGES = [((0, 1), (1, 1), (1, 1), (0,)), ((1, 3), (1, 2), (1, 2), (1, 2)), ((3, 5), (1, 2), (1, 2), (4, 5)),
+               ((5, 7), (1, 2), (1, 2), (6, 7)), ((7, 8), (1, 1), (1, 1), (3,))]
+
+
+def node_fields(sg):
+    return [(n.name, n.kind, n.strategies, n.op_index, n.var, n.label, n.primitive) for n in sg.nodes]
+
+
+def test_a_stage_of_equal_layers_is_its_twin_renamed():
+    """Blocks 3-4 on a mesh are blocks 1-2's problem with their own names: field for field a fresh build."""
+    problem = _stack_problem()
+    assert problem.layer_keys[1:7] == (problem.layer_keys[1],) * 6
+    first = problem.stage_graph((1, 3), (1, 2), (1, 2), (1, 2))
+    twin = problem.stage_graph((3, 5), (1, 2), (1, 2), (4, 5))
+    assert twin.cost_graph is first.cost_graph  # renamed, not built
+    piece = problem.piece((3, 5))
+    fresh = build_strategy_graph(piece.graph, twin.mesh, argument_kinds=problem.piece_kinds(piece))
+    assert node_fields(twin) == node_fields(fresh) and node_fields(twin) != node_fields(first)
+    assert twin.edges == fresh.edges and dict(twin.node_of_var) == dict(fresh.node_of_var)
+    assert (twin.group_of_node == fresh.group_of_node).all() and twin.ties == fresh.ties
+    assert (twin.fingerprint, twin.in_paths, twin.out_paths) == (fresh.fingerprint, fresh.in_paths, fresh.out_paths)
+    assert dict(twin.aliases) == dict(fresh.aliases) and dict(twin.argument_kinds) == dict(fresh.argument_kinds)
+    for a, b in zip(twin.cost_graph.node_costs, fresh.cost_graph.node_costs):
+        np.testing.assert_array_equal(a, b)
+    for (u, v, r), (x, y, q) in zip(twin.cost_graph.edges, fresh.cost_graph.edges):
+        assert (u, v) == (x, y)
+        np.testing.assert_array_equal(r, q)
+    # programs that differ in more than names are not renamed into each other
+    from alpa_lab.passes.intra_op import relabel
+
+    assert relabel(first, problem.piece((1, 3)).graph, problem.piece((0, 2)).graph) is None
+    assert relabel(first, problem.piece((1, 3)).graph, problem.piece((6, 8)).graph) is None
+
+
+def test_stage_plans_from_twins_equal_plans_solved_afresh():
+    """The solution of equal layers is shared; plans, figures and the simulated step equal a problem without twins."""
+    from alpa_lab.passes.pipeline import plan_stages
+
+    out = {}
+    for reuse in (True, False):
+        problem = _stack_problem(reuse)
+        results, timeline = plan_stages(problem, TWIN_STAGES, num_microbatches=4, schedule="1f1b")
+        out[reuse] = (problem, results, timeline)
+    (twins, with_twins, t1), (_, fresh, t2) = out[True], out[False]
+    assert t1.makespan == t2.makespan
+    for a, b in zip(with_twins, fresh):
+        assert [(o.name, o.strategy, o.merged_into) for o in a.plan.ops] == [(o.name, o.strategy, o.merged_into) for o in b.plan.ops]
+        assert a.plan.reshardings == b.plan.reshardings and a.plan.inputs == b.plan.inputs and a.plan.outputs == b.plan.outputs
+        assert (a.forward_time, a.backward_time, a.apply_time, a.weight_memory, a.activation_memory) == (
+            b.forward_time, b.backward_time, b.apply_time, b.weight_memory, b.activation_memory)
+        assert a.plan.device_ids == a.device_ids
+    # three stages of equal layers: one ILP solve (the others are the twin's solution)
+    signature = next(k[1] for k in twins.stage_graphs if k[0] == (1, 3))
+    cost_graphs = {id(twins.stage_graphs[(layers, signature, 1)].cost_graph) for layers in ((1, 3), (3, 5), (5, 7))}
+    assert len(cost_graphs) == 1
+    # a pinned stage is solved on its own, with its pin
+    pinned = out[True][0]
+    op = next(o for o in with_twins[2].plan.ops if o.kind == "op" and o.num_strategies > 1 and o.primitive == "dot_general")
+    sg = pinned.stage_graphs[((3, 5), signature, 1)]
+    other = next(s.name for s in sg.nodes[sg.node_index(op.name)].strategies if s.name != op.strategy)
+    plan = plan_stages(pinned, TWIN_STAGES, num_microbatches=4, schedule="1f1b", pins={op.name: other})[0][2].plan
+    assert plan.op(op.name).strategy == other and dict(plan.pins) == {op.name: other}
+
+
 def test_pieces_cut_with_the_consumer_index_equal_pieces_cut_by_scanning():
     ex = tiny_example("gpt")
     step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 2), microbatches=2, layers=4)

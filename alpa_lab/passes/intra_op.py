@@ -284,6 +284,56 @@ def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
     )
 
 
+def relabel(sg: StrategyGraph, built_from: OpGraph, graph: OpGraph) -> StrategyGraph | None:
+    """``sg`` (built from ``built_from``) as the problem of ``graph``: another run of the same layers.
+
+    Two stages of equal layers (blocks 4-9 and 10-15 of a stack) cut from one program have the
+    same ops, operands, shapes and argument kinds in the same order; only names differ. Their
+    strategies, resharding costs, groups and ILP are then the same, so the problem is ``sg``
+    with the new names, without enumerating or pricing anything. None when ``graph`` differs
+    in anything but names, or its repeated blocks tie otherwise (the caller builds it then).
+    """
+    if not _same_structure(built_from, graph) or find_aliases(graph) != dict(sg.aliases):
+        return None
+    nodes = []
+    for node in sg.nodes:
+        if node.op_index is not None:
+            op = graph.ops[node.op_index]
+            nodes.append(dataclasses.replace(node, name=op.name, label=op.label))
+        else:
+            var = graph.vars[node.var]
+            nodes.append(dataclasses.replace(node, name=var.name if var.kind == "input" else f"const_{node.var}"))
+    if sg.merged_groups is not None:  # tying reads the module paths in the labels: it must tie alike
+        regrouped, _ = _tied(graph, nodes, sg.merged_groups, sg.tie_period)
+        if not np.array_equal(regrouped, sg.group_of_node):
+            return None
+    return dataclasses.replace(
+        sg, nodes=tuple(nodes), fingerprint=graph.fingerprint, in_paths=graph.in_paths, out_paths=graph.out_paths
+    )
+
+
+def _same_structure(a: OpGraph, b: OpGraph) -> bool:
+    """Whether ``a`` and ``b`` are one program up to names (op names, labels, paths, boundary names)."""
+    if (len(a.ops), len(a.vars), a.invars, a.outvars) != (len(b.ops), len(b.vars), b.invars, b.outvars):
+        return False
+    if set(a.consts) != set(b.consts) or a.literals.keys() != b.literals.keys():
+        return False
+    if any(not np.array_equal(np.asarray(a.literals[k]), np.asarray(b.literals[k])) for k in a.literals):
+        return False
+    for u, v in zip(a.vars, b.vars):
+        if (u.shape, u.dtype, u.kind, u.producer) != (v.shape, v.dtype, v.kind, v.producer):
+            return False
+    for x, y in zip(a.ops, b.ops):
+        if (x.primitive, x.inputs, x.outputs) != (y.primitive, y.inputs, y.outputs):
+            return False
+        if x.primitive == "pipeline_marker":
+            if x.params["kind"] != y.params["kind"]:
+                return False
+        elif _op_key(x, a) != _op_key(y, b):
+            return False
+    return True
+
+
 _STRATEGIES: dict[LogicalMesh, dict[tuple, tuple[Strategy, ...]]] = {}
 _RESHARDING_TABLES: dict[LogicalMesh, dict[tuple, np.ndarray]] = {}
 _EDGE_TABLES: dict[LogicalMesh, dict[tuple, tuple]] = {}

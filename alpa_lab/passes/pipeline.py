@@ -37,7 +37,9 @@ from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
-from alpa_lab.passes.intra_op import StrategyGraph, _op_key, build_strategy_graph, cost_signature, retie, solve_strategy_graph
+from alpa_lab.passes.intra_op import (
+    StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
+)
 from alpa_lab.passes.methods import make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
@@ -93,6 +95,9 @@ class PipelineProblem:
     """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP."""
     stage_solutions: dict[tuple, tuple] = field(default_factory=dict)
     """(layers, mesh costs, method, pins) -> (tie period, solution): a stage placed elsewhere reuses it"""
+    stage_twins: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    """(layer keys of a stage, mesh costs, tie period) -> the first layers [start, end) built so: a stage of
+    equal layers elsewhere in the stack is that problem renamed (``intra_op.relabel``)"""
     send_bytes: np.ndarray | None = None
     """[start, end]: bytes per micro-batch the stage of layers [start, end) exchanges with later ones"""
     consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
@@ -214,13 +219,32 @@ class PipelineProblem:
         sg = self.stage_graphs.get(key)
         if sg is None:
             piece = self.piece(layers)
+            sg = self._twin_graph(layers, cost_signature(mesh), tie_period)
             untied = self.stage_graphs.get((layers, cost_signature(mesh), 1)) if tie_period != 1 else None
-            if untied is not None:
+            if sg is not None:
+                pass
+            elif untied is not None:
                 sg = retie(untied, piece.graph, tie_period)
             else:
                 sg = build_strategy_graph(piece.graph, mesh, argument_kinds=self.piece_kinds(piece), tie_period=tie_period)
             self.stage_graphs[key] = sg
+            if self.reuse:
+                self.stage_twins.setdefault(self._twin_key(layers, cost_signature(mesh), tie_period), layers)
         return sg if sg.mesh == mesh else dataclasses.replace(sg, mesh=mesh)
+
+    def _twin_key(self, layers: tuple[int, int], signature: LogicalMesh, tie_period: int) -> tuple:
+        return (self.layer_keys[layers[0] : layers[1]], layers[1] == self.slicing.num_layers, signature, tie_period)
+
+    def _twin_graph(self, layers: tuple[int, int], signature: LogicalMesh, tie_period: int) -> StrategyGraph | None:
+        """The problem of an already built stage of equal layers, renamed for ``layers``; None if there is none
+        (or the two programs turn out to differ in more than names: ``relabel`` checks)."""
+        twin = self.stage_twins.get(self._twin_key(layers, signature, tie_period)) if self.reuse else None
+        if twin is None or twin == layers:
+            return None
+        built = self.stage_graphs[(twin, signature, tie_period)]
+        if self.piece_kinds(self.piece(layers)) != dict(built.argument_kinds):
+            return None
+        return relabel(built, self.piece(twin).graph, self.piece(layers).graph)
 
     def stage_cost(self, start: int, end: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
         """Layers [start, end) on one logical mesh: the sum of their layer costs (from cumulative sums:
@@ -449,10 +473,17 @@ def _plan_stage(
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
         # the same stage placed on other devices with the same links: the same solution
-        same = (layers, cost_signature(problem.mesh(submesh, logical, device_ids)), method, key[-1])
+        signature = cost_signature(problem.mesh(submesh, logical, device_ids))
+        same = (layers, signature, method, key[-1])
+        twin = _twin_solution(problem, layers, signature, method) if not mine else None
         if same in problem.stage_solutions:
             period, solved = problem.stage_solutions[same]
             sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
+        elif twin is not None:  # equal layers elsewhere in the stack: the same ILP, its solution renamed
+            sg, solved = twin[0], twin[1]
+            sg = sg if sg.mesh == problem.mesh(submesh, logical, device_ids) else dataclasses.replace(
+                sg, mesh=problem.mesh(submesh, logical, device_ids))
+            problem.stage_solutions[same] = (sg.tie_period, solved)
         else:
             sg, solved = solve_tied(lambda period: problem.stage_graph(layers, submesh, logical, device_ids, period), method, mine)
             problem.stage_solutions[same] = (sg.tie_period, solved)
@@ -461,6 +492,31 @@ def _plan_stage(
         )
         problem.seconds["stage_plans"] = problem.seconds.get("stage_plans", 0.0) + time.perf_counter() - t0
     return problem.stage_plans[key]
+
+
+def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature: LogicalMesh, method: str) -> tuple | None:
+    """(problem, solution) of ``layers`` taken from a solved stage of equal layers on an equal mesh, if any.
+
+    The solution chooses per group of the ILP, and a renamed problem (``relabel``) has the same
+    groups and costs, so it is the solution of this stage too (at the tie period it was found at).
+    """
+    for period in sorted({p for (_, sig, p) in problem.stage_graphs if sig == signature}):
+        twin = problem.stage_twins.get(problem._twin_key(layers, signature, period))
+        if twin is None or twin == layers or (twin, signature, method, ()) not in problem.stage_solutions:
+            continue
+        found_period, solved = problem.stage_solutions[(twin, signature, method, ())]
+        if found_period != period:
+            continue
+        sg = problem.stage_graphs.get((layers, signature, period)) or problem._twin_graph(layers, signature, period)
+        built = problem.stage_graphs[(twin, signature, period)]
+        if sg is not None and sg.cost_graph is built.cost_graph:
+            problem.stage_graphs[(layers, signature, period)] = sg
+            # what the method restricted or rewrote is named after the twin's ops: rename it too
+            name = {a.name: b.name for a, b in zip(built.nodes, sg.nodes)}
+            rewrites = tuple(f"{name[r.split(': ', 1)[0]]}: {r.split(': ', 1)[1]}" for r in solved.rewrites)
+            restrictions = {name[k]: v for k, v in solved.restrictions.items()}
+            return sg, dataclasses.replace(solved, restrictions=restrictions, rewrites=rewrites)
+    return None
 
 
 def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, CostParts]:
