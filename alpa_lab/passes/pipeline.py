@@ -522,7 +522,8 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
 def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, CostParts]:
     """A stage's predicted forward, backward and update, split into the cost model's terms (``cost.profile``).
 
-    Each resharding is charged to the phase of the op that reads it; what the objective has
+    Each resharding is charged to the phase of the op that reads it (one into a returned
+    weight's layout, to the update); what the objective has
     beyond the ops and those (reshardings read by no op of the stage) goes to the forward.
     Each phase runs as one program (a unit task) per micro-batch, the update once per step:
     one launch each.
@@ -538,7 +539,9 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
             comm[p] += o.communication_cost
     rest = plan.objective - sum(compute.values()) - sum(comm.values())
     for r in plan.reshardings:
-        p = phase.get(r.consumer, FORWARD)
+        # a program output returned in its argument's layout (the updated weights and optimizer
+        # state): the update's last step, not every micro-batch's forward
+        p = APPLY if r.consumer.startswith("output ") else phase.get(r.consumer, FORWARD)
         if p != FORWARD:
             comm[p] += r.cost
             rest -= r.cost
