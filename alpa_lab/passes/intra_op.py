@@ -296,13 +296,14 @@ def relabel(sg: StrategyGraph, built_from: OpGraph, graph: OpGraph) -> StrategyG
     if not _same_structure(built_from, graph) or find_aliases(graph) != dict(sg.aliases):
         return None
     nodes = []
-    for node in sg.nodes:
-        if node.op_index is not None:
-            op = graph.ops[node.op_index]
-            nodes.append(dataclasses.replace(node, name=op.name, label=op.label))
+    for n in sg.nodes:  # the constructor, not dataclasses.replace: a stage has thousands of nodes
+        if n.op_index is not None:
+            op = graph.ops[n.op_index]
+            nodes.append(PlanningNode(op.name, n.kind, n.strategies, n.op_index, n.var, op.label, n.primitive))
         else:
-            var = graph.vars[node.var]
-            nodes.append(dataclasses.replace(node, name=var.name if var.kind == "input" else f"const_{node.var}"))
+            var = graph.vars[n.var]
+            name = var.name if var.kind == "input" else f"const_{n.var}"
+            nodes.append(PlanningNode(name, n.kind, n.strategies, n.op_index, n.var, n.label, n.primitive))
     if sg.merged_groups is not None:  # tying reads the module paths in the labels: it must tie alike
         regrouped, _ = _tied(graph, nodes, sg.merged_groups, sg.tie_period)
         if not np.array_equal(regrouped, sg.group_of_node):

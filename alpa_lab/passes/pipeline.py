@@ -102,6 +102,8 @@ class PipelineProblem:
     """[start, end]: bytes per micro-batch the stage of layers [start, end) exchanges with later ones"""
     consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
     """var -> the ops that read it (``graph.consumers()``, once: every piece cut needs it)"""
+    schedules: dict[tuple, tuple[Schedule, Any]] = field(default_factory=dict)
+    """(schedule, stages, micro-batches, meshes) -> its instruction lists and their check"""
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
     """the profiling cost model (``runtime.stage_profile``): (problem, stages, schedule) -> measured
     seconds per (stage, phase); when set, planned stages are timed on the devices, not priced"""
@@ -465,10 +467,12 @@ def _plan_stage(
     pins: Mapping[str, str],
 ) -> Plan:
     method = problem.stage_methods.get((layers, submesh, logical), method) if method == "alpa" else method
-    graph = problem.graph
-    ops = problem.slicing.ops_of(range(*layers))
-    names = {graph.ops[i].name for i in ops} | {graph.vars[v].name for i in ops for v in graph.ops[i].inputs}
-    mine = {k: v for k, v in pins.items() if k in names}  # a pin elsewhere leaves this stage's plan cached
+    mine = {}
+    if pins:  # a pin elsewhere leaves this stage's plan cached
+        graph = problem.graph
+        ops = problem.slicing.ops_of(range(*layers))
+        names = {graph.ops[i].name for i in ops} | {graph.vars[v].name for i in ops for v in graph.ops[i].inputs}
+        mine = {k: v for k, v in pins.items() if k in names}
     key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
@@ -583,8 +587,13 @@ def plan_stages(
     Stages that share devices are the virtual stages of an interleaved plan: stage j must
     then run on mesh j % P (P distinct meshes), as ``interleaved_1f1b`` places them.
     """
-    sched = stage_schedule(stages, schedule, num_microbatches)
-    report = check(sched)
+    # the instruction lists and their check depend only on the stage count, meshes and micro-batches: every
+    # candidate of a plan with as many stages shares them (a 1,024-micro-batch check is not free)
+    key = (schedule, len(stages), num_microbatches, _num_meshes(stages, schedule))
+    if key not in problem.schedules:
+        sched = stage_schedule(stages, schedule, num_microbatches)
+        problem.schedules[key] = (sched, check(sched))
+    sched, report = problem.schedules[key]
     deferred: set[str] = set()
     if sched.split_backward:
         stage_of_op = problem.slicing.stage_of_ops([layers for layers, *_ in stages])

@@ -22,6 +22,7 @@ the forward keeps only the checkpoint's inputs and the backward pays for the rec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,8 +56,16 @@ class ProgramSlicing:
 
     def ops_of(self, layers: range | Sequence[int], phases: Sequence[str] = (FORWARD, BACKWARD, APPLY)) -> list[int]:
         """Op indices in ``layers`` with a phase in ``phases``, in program order."""
-        want = set(layers)
-        return [i for i, (p, lay) in enumerate(zip(self.phase, self.layer)) if lay in want and p in phases]
+        index = self._ops_by_layer
+        return sorted(i for lay in set(layers) for p in set(phases) for i in index.get((lay, p), ()))
+
+    @functools.cached_property
+    def _ops_by_layer(self) -> dict[tuple[int, str], tuple[int, ...]]:
+        """(layer, phase) -> its ops: the planner asks ``ops_of`` for every stage it prices."""
+        index: dict[tuple[int, str], list[int]] = {}
+        for i, key in enumerate(zip(self.layer, self.phase)):
+            index.setdefault(key, []).append(i)
+        return {key: tuple(ops) for key, ops in index.items()}
 
     def stage_of_ops(self, layer_ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """Stage of every op, stage i holding the half-open layer range ``layer_ranges[i]``."""
