@@ -541,3 +541,39 @@ def test_variants_per_logical_mesh_match_brute_force():
                 assert c.max_in_flight is None or c.max_in_flight >= rule(S - i)
                 chosen_lean += st.variant == "lean"
     assert chosen_lean > 0
+
+
+def test_one_capped_search_equals_the_dp_per_cap():
+    """``stage_dp_capped`` (every cap from one search) gives ``stage_dp(max_stages=k)``'s optimum for every k, with and
+    without memory limits (one search prunes per cap: the case where it could lose is a cap pruned too early)."""
+    from alpa_lab.passes.inter_op import stage_dp_capped
+
+    rng = random.Random(11_2026)
+    compared = Counter()
+    for trial in range(60):
+        L = rng.randint(2, 7)
+        N, M = rng.choice(CLUSTERS[1:] + [(2, 8), (4, 2)])
+        B = rng.randint(1, 8)
+        base = structured_cost(rng, L, mem_cap=rng.choice([None, 3.0])) if trial % 2 else random_cost(rng, 0.2)
+        limited = trial % 3 == 0
+        cost = with_limits(rng, base, B) if limited else base
+        in_flight = one_f_one_b(B) if limited else None
+        caps = [1, 2, 3, 4, 6]
+        joint = stage_dp_capped(L, N, M, B, cost, caps, in_flight=in_flight)
+        for k in caps:
+            try:
+                alone = stage_dp(L, N, M, B, cost, max_stages=k, in_flight=in_flight)
+            except InterOpError:
+                alone = None
+            if k > min(L, N * M):
+                continue
+            if alone is None:
+                assert k not in joint, (trial, k)
+                compared["infeasible"] += 1
+                continue
+            assert joint[k].total_time == pytest.approx(alone.total_time, rel=1e-12), (trial, k)
+            assert joint[k].num_stages <= k
+            check_plan(joint[k], L, N, M, B)
+            check_positions(joint[k], cost, in_flight)
+            compared["limited" if limited else "plain"] += 1
+    assert compared["plain"] > 50 and compared["limited"] > 20 and compared["infeasible"] > 0, compared

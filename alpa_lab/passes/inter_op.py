@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -546,6 +546,11 @@ def stage_dp(
         )
 
     chosen = _reconstruct(best_F, table, L, D, best_s, best_tmax, needs)
+    return _placed(chosen, N, M, B)
+
+
+def _placed(chosen: list[tuple[int, int, Shape, _Option]], N: int, M: int, B: int) -> InterOpPlan:
+    """The DP's stages (range, sub-mesh, option) placed on the cluster's devices."""
     try:
         placements = place_submeshes([shape for _, _, shape, _ in chosen], N, M)
     except PlacementError as err:
@@ -561,6 +566,89 @@ def stage_dp(
         t_max=max(times),
         num_microbatches=B,
     )
+
+
+def stage_dp_capped(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_microbatches: int,
+    stage_cost: StageCostFn,
+    caps: Collection[int],
+    in_flight: InFlightFn | None = None,
+    cache: dict | None = None,
+) -> dict[int, InterOpPlan]:
+    """``stage_dp(..., max_stages=k)`` for every k in ``caps``, from one search over t_max.
+
+    F[s, 0, D] of one t_max holds every stage count s at once, so the optimum with at most k
+    stages is the best over t_max of min_{s <= k} F[s, 0, D] + (B - 1) t_max for every k
+    together; a cap stops being searched once eq. 4's pruning rules it out. Caps with no
+    feasible slicing (or whose stages cannot be placed) are left out. Same optima (T) as
+    ``stage_dp`` per cap (``tests/test_inter_op.py`` compares them).
+    """
+    caps = sorted({int(k) for k in caps})
+    if not caps:
+        return {}
+    L, N, M, B, S = _validate(num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, max(caps))
+    caps = [k for k in caps if k <= S]
+    needs = _in_flight_needs(in_flight, S)
+    D = N * M
+    profiled = cache.get((L, N, M)) if cache is not None else None
+    if profiled is None:
+        stats: dict[str, int] = {}
+        profiled = (_profile(stage_cost, L, submesh_shapes(N, M), stats), stats)
+        if cache is not None:
+            cache[(L, N, M)] = profiled
+    table = profiled[0]
+    if not table:
+        return {}
+    dense = _Dense(table, L, D)
+    if not dense.sizes:
+        return {}
+    binds = needs is not None and any(not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values())
+    if binds:
+        assert needs is not None
+        distinct = sorted(set(needs[1:]))
+
+        def tables(t_max: float) -> list[np.ndarray | None]:
+            by_need = {need: dense.allowed(t_max, need) for need in distinct}
+            return [None] + [by_need[needs[s]] for s in range(1, S + 1)]
+
+        candidates = sorted({opt.time for opts in table.values() for opt in opts.options})
+    else:
+        needs = None
+
+        def tables(t_max: float) -> np.ndarray:  # type: ignore[misc]
+            return dense.allowed(t_max)
+
+        candidates = sorted({opts.time for opts in table.values()})
+    every = _solve_f(dense, tables(math.inf), S)[:, 0, D]
+    floor = {k: float(every[1 : k + 1].min()) for k in caps}
+    best = {k: (math.inf, math.nan) for k in caps}
+    for t_max in candidates:
+        live = [
+            k for k in caps
+            if not (math.isinf(floor[k]) or B * t_max >= best[k][0] or floor[k] + (B - 1) * t_max >= best[k][0])
+        ]
+        if not live:
+            break
+        F = _solve_f(dense, tables(t_max), max(live))[:, 0, D]
+        for k in live:
+            s = int(np.argmin(F[1 : k + 1])) + 1
+            value = float(F[s]) + (B - 1) * t_max
+            if value < best[k][0]:
+                best[k] = (value, t_max)
+    out: dict[int, InterOpPlan] = {}
+    for k, (value, t_max) in best.items():
+        if math.isinf(value):
+            continue
+        F = _solve_f(dense, tables(t_max), k)
+        s = int(np.argmin(F[1:, 0, D])) + 1
+        try:
+            out[k] = _placed(_reconstruct(F, table, L, D, s, t_max, needs), N, M, B)
+        except InterOpError:  # its sub-meshes cannot be placed: not a plan
+            continue
+    return out
 
 
 _Search = tuple[float, float, int, "np.ndarray | None"]

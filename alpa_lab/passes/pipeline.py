@@ -36,7 +36,7 @@ from alpa_lab.cost.profile import CostParts, ProfileError
 from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
-from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp
+from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp, stage_dp_capped
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
 )
@@ -823,19 +823,20 @@ def _fewer_stage_optima(
     not (slow links between hosts, small layers), fewer stages can be faster, so
     ``plan_pipeline`` plans these candidates too and keeps the one whose simulated step
     (the schedule with its transfers, then the update) is fastest. Each is an optimum of the
-    DP's cost for its stage count; the profiled table is kept (``cache``), so each costs one search.
+    DP's cost for its stage count; the profiled table is kept (``cache``) and one search finds them all
+    (``stage_dp_capped``).
     """
-    out = []
-    k = 1
+    caps, k = [], 1
     while k < best.num_stages and (max_stages is None or k < max_stages):
-        try:
-            cand = stage_dp(problem.slicing.num_layers, problem.cluster.hosts, problem.cluster.devices_per_host,
-                            num_microbatches, cost, max_stages=k, in_flight=rule, cache=cache)
-        except InterOpError:  # fewer stages do not fit (memory): not a candidate
-            cand = None
+        caps.append(k)
+        k *= 2
+    found = stage_dp_capped(problem.slicing.num_layers, problem.cluster.hosts, problem.cluster.devices_per_host,
+                            num_microbatches, cost, caps, in_flight=rule, cache=cache)
+    out: list[InterOpPlan] = []
+    for k in caps:  # fewer stages that do not fit (memory) are not candidates
+        cand = found.get(k)
         if cand is not None and all(cand.stages != c.stages for c in out):
             out.append(cand)
-        k *= 2
     return out
 
 
