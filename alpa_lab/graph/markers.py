@@ -298,6 +298,9 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
         live.clear()
         if _REMAT.get():
             outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), on_output=produced, before=mark_cut)
+        elif graph.checkpoints:  # the user's own jax.checkpoint bodies stay checkpointed (cut at the layers)
+            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), on_output=produced,
+                                 before=mark_cut, regions=graph.checkpoints)
         else:
             # each op under its own module path, so labels (and the repeated-block reuse that
             # reads them) survive the re-run
@@ -327,10 +330,12 @@ def _checkpointed(
     starts: set[int],
     on_output: Callable[[Op, list[Any]], list[Any]] | None = None,
     before: Callable[[Op, MutableMapping[int, Any]], None] | None = None,
+    regions: Sequence[tuple[int, int, Any, bool]] | None = None,
 ) -> list[Any]:
     """``evaluate(graph, ..., scoped=True)`` with each run of ops between boundary markers (and
     between the op indices in ``starts``) as one ``jax.checkpoint`` call; the markers run outside,
-    so their mirrors in the backward still delimit the layers."""
+    so their mirrors in the backward still delimit the layers. With ``regions`` ((first, end, policy,
+    prevent_cse): the user's checkpoints, ``OpGraph.checkpoints``) only their ops are, with their policy."""
     env: dict[int, Any] = dict(graph.consts)
     env.update(graph.literals)
     env.update(zip(graph.invars, flat_args))
@@ -351,18 +356,24 @@ def _checkpointed(
         outs = list(out) if op.bind.multiple_results else [out]
         return list(on_output(op, outs)) if on_output is not None else outs
 
+    region_of = np.zeros(K, dtype=np.int64)  # without regions every op is checkpointed; with them: -1 plain, r region r
+    if regions is not None:
+        region_of[:] = -1
+        for r, (first, end, _, _) in enumerate(regions):
+            region_of[first:end] = r
     i = 0
     while i < K:
         if before is not None:
             before(graph.ops[i], env)
-        if is_boundary(graph.ops[i]):
+        if is_boundary(graph.ops[i]) or region_of[i] < 0:
             op = graph.ops[i]
             env.update(zip(op.outputs, bind(op, [env[v] for v in op.inputs])))
             i += 1
             continue
         j = i + 1
-        while j < K and j not in starts and not is_boundary(graph.ops[j]):
+        while j < K and j not in starts and not is_boundary(graph.ops[j]) and region_of[j] == region_of[i]:
             j += 1
+        policy, prevent_cse = (regions[region_of[i]][2], regions[region_of[i]][3]) if regions is not None else (None, True)
         segment = graph.ops[i:j]
         made = {v for op in segment for v in op.outputs}
         ins = list(dict.fromkeys(v for op in segment for v in op.inputs if v not in made and v not in graph.literals))
@@ -375,7 +386,7 @@ def _checkpointed(
                 local.update(zip(op.outputs, bind(op, [local[v] for v in op.inputs])))
             return [local[v] for v in outs]
 
-        env.update(zip(outs, jax.checkpoint(body)(*[env[v] for v in ins])))
+        env.update(zip(outs, jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*[env[v] for v in ins])))
         i = j
     return [env[v] for v in graph.outvars]
 

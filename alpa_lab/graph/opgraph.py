@@ -82,6 +82,9 @@ class OpGraph:
     consts: dict[int, Any] = field(default_factory=dict, repr=False)
     literals: dict[int, Any] = field(default_factory=dict, repr=False)
     fingerprint: str = ""
+    checkpoints: tuple[tuple[int, int, Any, bool], ...] = field(default=(), repr=False)
+    """(first op, end op, policy, prevent_cse) of each ``jax.checkpoint`` body the trace inlined (outermost
+    ones): a re-run of the program (automatic layering) checkpoints those ops again, as the user asked."""
 
     def consumers(self) -> dict[int, list[int]]:
         """Var id -> indices of the ops that read it."""

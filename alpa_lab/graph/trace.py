@@ -124,6 +124,7 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
         out_paths=tuple(_path_str(p) for p, _ in flat_out),
         consts=builder.consts,
         literals=builder.literals,
+        checkpoints=tuple(builder.checkpoints),
     )
     return _with_fingerprint(graph)
 
@@ -140,6 +141,8 @@ class _Builder:
         self.consts: dict[int, Any] = {}
         self.literals: dict[int, Any] = {}
         self.counts: dict[str, int] = {}
+        self.checkpoints: list[tuple[int, int, Any, bool]] = []
+        self._in_checkpoint = False
         self._const_ids: dict[int, tuple[Any, int]] = {}
 
     def const(self, aval: Any, value: Any) -> int:
@@ -192,7 +195,16 @@ class _Builder:
                 for iv, a in zip(inner.invars, args[len(args) - len(inner.invars):]):
                     inner_env[iv] = a
                 sub = eqn.params.get("name", "") if prim in ("jit", "pjit") else ""
+                outermost = prim in ("checkpoint", "remat", "remat2") and not self._in_checkpoint
+                first = len(self.ops)
+                self._in_checkpoint |= outermost
                 self.emit_jaxpr(inner, inner_env, "/".join(p for p in (label, sub) if p))
+                if outermost:
+                    self._in_checkpoint = False
+                    if len(self.ops) > first:
+                        self.checkpoints.append(
+                            (first, len(self.ops), eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True)))
+                        )
                 for ov, iv in zip(eqn.outvars, inner.outvars):
                     env[ov] = self.read(inner_env, iv)
                 continue

@@ -586,7 +586,7 @@ def stage_dp_capped(
     feasible slicing (or whose stages cannot be placed) are left out. Same optima (T) as
     ``stage_dp`` per cap (``tests/test_inter_op.py`` compares them).
     """
-    caps = sorted({int(k) for k in caps})
+    caps = sorted({_check_int("a stage cap", k) for k in caps})
     if not caps:
         return {}
     L, N, M, B, S = _validate(num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, max(caps))

@@ -479,7 +479,9 @@ def _plan_stage(
         # the same stage placed on other devices with the same links: the same solution
         signature = cost_signature(problem.mesh(submesh, logical, device_ids))
         same = (layers, signature, method, key[-1])
-        twin = _twin_solution(problem, layers, signature, method) if not mine else None
+        twin = None
+        if same not in problem.stage_solutions and not mine:
+            twin = _twin_solution(problem, layers, signature, method)
         if same in problem.stage_solutions:
             period, solved = problem.stage_solutions[same]
             sg = problem.stage_graph(layers, submesh, logical, device_ids, period)

@@ -16,8 +16,10 @@ takes the layer of its inputs (forward: the latest; backward: the earliest, as t
 backward runs the layers in reverse); an op that reads only weights (a cast, a transpose
 of a weight) takes the layer of its first reader. Forward ops that JAX re-runs inside the
 backward (the body of a ``jax.checkpoint``: after the backward starts, needed by the
-gradients, reading no gradient) are backward ops of the layer whose tensors they read, so
-the forward keeps only the checkpoint's inputs and the backward pays for the recompute.
+gradients, reading no gradient) are backward ops of the latest layer that reads them, so
+the forward keeps only the checkpoint's inputs and the backward pays for the recompute. The
+same rule files the few ops JAX's transposes compute from weights alone in the backward (a
+convolution's flipped kernel, zeros) with the backward that runs them, not as activations kept.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
     mirror: dict[int, int] = {}  # boundary marker op -> ordinal of its forward boundary
     unnamed_backward: list[list[int]] = []
     for op in ops:
-        if not _is_marker(op, "boundary") or op.params["name"] == LOSS:
+        if not _is_marker(op, "boundary") or op.params["name"] == LOSS or op.index in rerun:
+            # (a boundary inside a jax.checkpoint body runs again in the backward: a copy, not a mirror)
             continue
         name = op.params["name"]
         if phase[op.index] == FORWARD:
