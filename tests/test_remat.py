@@ -28,27 +28,34 @@ LOCAL = al.ClusterSpec.local(hosts=1, devices_per_host=4)
 LAYERS = 4
 
 
-def chain_step(checkpoint: bool):
-    """Four tanh layers with hand-placed boundaries; with ``checkpoint`` each layer is ``jax.checkpoint``-ed."""
-
-    def layer(w, x):
-        h = jnp.tanh(x @ w)
-        return jnp.tanh(h @ w.T) + x
-
-    body = jax.checkpoint(layer) if checkpoint else layer
-
-    def loss(ws, x):
-        for i, w in enumerate(ws):
-            if i:
-                x = al.mark_stage_boundary(x)
-            x = body(w, x)
-        return jnp.mean(x**2)
+def sgd_step(loss):
+    """A training step of ``loss(ws, x)``: one SGD update of the weights ``ws``, and the loss."""
 
     def step(ws, x):
         value, grads = al.value_and_grad(loss)(ws, x)
         return [w - 0.1 * g for w, g in zip(ws, grads)], value
 
     return step
+
+
+def chain_step(checkpoint: bool, boundaries: bool = True, policy=None):
+    """Four tanh layers, with hand-placed boundaries between them unless not ``boundaries``; with
+    ``checkpoint`` each layer is ``jax.checkpoint``-ed (with ``policy``)."""
+
+    def layer(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.tanh(h @ w.T) + x
+
+    body = jax.checkpoint(layer, policy=policy) if checkpoint else layer
+
+    def loss(ws, x):
+        for i, w in enumerate(ws):
+            if i and boundaries:
+                x = al.mark_stage_boundary(x)
+            x = body(w, x)
+        return jnp.mean(x**2)
+
+    return sgd_step(loss)
 
 
 CHAIN_ARGS = ([jnp.full((64, 64), 0.01) * (i + 1) for i in range(LAYERS)], jnp.ones((32, 64)))
@@ -191,11 +198,7 @@ def test_a_boundary_inside_a_checkpointed_layer_cuts_as_outside(named):
                 x = (jax.checkpoint(body) if checkpoint else body)(w, x)
             return jnp.mean(x**2)
 
-        def step(ws, x):
-            value, grads = al.value_and_grad(loss)(ws, x)
-            return [w - 0.1 * g for w, g in zip(ws, grads)], value
-
-        return step
+        return sgd_step(loss)
 
     def update_layers(problem):
         g, sl = problem.graph, problem.slicing
@@ -225,22 +228,7 @@ def test_automatic_layering_keeps_the_users_checkpoint():
     keeps its recompute: the re-run of the program checkpoints those ops again (with their policy)."""
 
     def step_fn(checkpoint: bool, policy=None):
-        def layer(w, x):
-            h = jnp.tanh(x @ w)
-            return jnp.tanh(h @ w.T) + x
-
-        body = jax.checkpoint(layer, policy=policy) if checkpoint else layer
-
-        def loss(ws, x):
-            for w in ws:
-                x = body(w, x)
-            return jnp.mean(x**2)
-
-        def step(ws, x):
-            value, grads = al.value_and_grad(loss)(ws, x)
-            return [w - 0.1 * g for w, g in zip(ws, grads)], value
-
-        return step
+        return chain_step(checkpoint, boundaries=False, policy=policy)
 
     def traced(step):
         with auto_layers(LAYERS):

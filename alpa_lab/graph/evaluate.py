@@ -48,13 +48,27 @@ def evaluate(
         args = [env[i] for i in op.inputs]
         if on_input is not None:
             args = list(on_input(op, args))
-        with jax.named_scope(op.label) if scoped and op.label else contextlib.nullcontext():
-            out = op.bind.bind(*args, **op.params)
-        outs = list(out) if op.bind.multiple_results else [out]
-        if on_output is not None:
-            outs = list(on_output(op, outs))
-        env.update(zip(op.outputs, outs))
+        env.update(zip(op.outputs, bind_op(op, args, on_output, scoped)))
     return [env[v] for v in graph.outvars]
+
+
+def bind_op(op: Op, args: Sequence[Any], on_output: OutputHook | None = None, scoped: bool = False) -> list[Any]:
+    """``op`` applied to ``args``: its output values (through ``on_output``), under its module path if ``scoped``."""
+    with jax.named_scope(op.label) if scoped and op.label else contextlib.nullcontext():
+        out = op.bind.bind(*args, **op.params)
+    outs = list(out) if op.bind.multiple_results else [out]
+    return list(on_output(op, outs)) if on_output is not None else outs
+
+
+def last_uses(graph: OpGraph) -> dict[int, int]:
+    """var -> the index of the last op that reads it (``len(graph.ops)`` for the program's results)."""
+    last: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            last[v] = op.index
+    for v in graph.outvars:
+        last[v] = len(graph.ops)
+    return last
 
 
 def as_function(graph: OpGraph, on_output: OutputHook | None = None) -> Callable[..., Any]:

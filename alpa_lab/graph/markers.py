@@ -43,7 +43,7 @@ from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from alpa_lab.graph.evaluate import evaluate
+from alpa_lab.graph.evaluate import bind_op, evaluate, last_uses
 from alpa_lab.graph.opgraph import Op
 
 __all__ = [
@@ -254,7 +254,7 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     from alpa_lab.graph.layering import cluster_layers
 
     graph = trace(lambda *a: fun(*a, **kwargs), *args, traced_consts=True)
-    if any(op.primitive == "pipeline_marker" and op.params["kind"] == "boundary" for op in graph.ops):
+    if any(_is_boundary(op) for op in graph.ops):
         return fun
     K = len(graph.ops)
     if num_layers < 2 or K < num_layers:
@@ -273,12 +273,7 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     if len(starts) < num_layers:
         return fun
     bounds = [(starts + [K])[b] for b in cluster_layers(flops, edges, num_layers).boundaries]
-    last_use = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            last_use[v] = op.index
-    for v in graph.outvars:
-        last_use[v] = K
+    last_use = last_uses(graph)
     cuts = {b: k for k, b in enumerate(bounds[1:-1], start=1)}
 
     live: list[int] = []  # op-produced values some later op (or the result) reads
@@ -340,21 +335,10 @@ def _checkpointed(
     env.update(graph.literals)
     env.update(zip(graph.invars, flat_args))
     K = len(graph.ops)
-    last_use: dict[int, int] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            last_use[v] = op.index
-    for v in graph.outvars:
-        last_use[v] = K
-
-    def is_boundary(op: Op) -> bool:
-        return op.primitive == "pipeline_marker" and op.params["kind"] == "boundary"
+    last_use = last_uses(graph)
 
     def bind(op: Op, args: list[Any]) -> list[Any]:
-        with jax.named_scope(op.label) if op.label else contextlib.nullcontext():
-            out = op.bind.bind(*args, **op.params)
-        outs = list(out) if op.bind.multiple_results else [out]
-        return list(on_output(op, outs)) if on_output is not None else outs
+        return bind_op(op, args, on_output, scoped=True)
 
     region_of = np.zeros(K, dtype=np.int64)  # without regions every op is checkpointed; with them: -1 plain, r region r
     if regions is not None:
@@ -365,13 +349,13 @@ def _checkpointed(
     while i < K:
         if before is not None:
             before(graph.ops[i], env)
-        if is_boundary(graph.ops[i]) or region_of[i] < 0:
+        if _is_boundary(graph.ops[i]) or region_of[i] < 0:
             op = graph.ops[i]
             env.update(zip(op.outputs, bind(op, [env[v] for v in op.inputs])))
             i += 1
             continue
         j = i + 1
-        while j < K and j not in starts and not is_boundary(graph.ops[j]) and region_of[j] == region_of[i]:
+        while j < K and j not in starts and not _is_boundary(graph.ops[j]) and region_of[j] == region_of[i]:
             j += 1
         policy, prevent_cse = (regions[region_of[i]][2], regions[region_of[i]][3]) if regions is not None else (None, True)
         segment = graph.ops[i:j]
@@ -389,6 +373,10 @@ def _checkpointed(
         env.update(zip(outs, jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*[env[v] for v in ins])))
         i = j
     return [env[v] for v in graph.outvars]
+
+
+def _is_boundary(op: Op) -> bool:
+    return op.primitive == "pipeline_marker" and op.params["kind"] == "boundary"
 
 
 class BoundaryFound(Exception):

@@ -498,14 +498,7 @@ def stage_dp(
     )
     needs = _in_flight_needs(in_flight, S)
     D = N * M
-    shapes = submesh_shapes(N, M)
-    stats: dict[str, int] = {}
-    profiled = cache.get((L, N, M)) if cache is not None else None
-    if profiled is None:
-        profiled = (_profile(stage_cost, L, shapes, stats), stats)
-        if cache is not None:
-            cache[(L, N, M)] = profiled
-    table, stats = profiled
+    table, stats = _profiled(stage_cost, L, N, M, cache)
     if not table:
         if stats.get("no_memory"):
             raise InterOpError(
@@ -593,13 +586,7 @@ def stage_dp_capped(
     caps = [k for k in caps if k <= S]
     needs = _in_flight_needs(in_flight, S)
     D = N * M
-    profiled = cache.get((L, N, M)) if cache is not None else None
-    if profiled is None:
-        stats: dict[str, int] = {}
-        profiled = (_profile(stage_cost, L, submesh_shapes(N, M), stats), stats)
-        if cache is not None:
-            cache[(L, N, M)] = profiled
-    table = profiled[0]
+    table, _ = _profiled(stage_cost, L, N, M, cache)
     if not table:
         return {}
     dense = _Dense(table, L, D)
@@ -608,19 +595,11 @@ def stage_dp_capped(
     binds = needs is not None and any(not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values())
     if binds:
         assert needs is not None
-        distinct = sorted(set(needs[1:]))
-
-        def tables(t_max: float) -> list[np.ndarray | None]:
-            by_need = {need: dense.allowed(t_max, need) for need in distinct}
-            return [None] + [by_need[needs[s]] for s in range(1, S + 1)]
-
+        tables = _per_position(dense, needs, S)
         candidates = sorted({opt.time for opts in table.values() for opt in opts.options})
     else:
         needs = None
-
-        def tables(t_max: float) -> np.ndarray:  # type: ignore[misc]
-            return dense.allowed(t_max)
-
+        tables = dense.allowed  # type: ignore[assignment]
         candidates = sorted({opts.time for opts in table.values()})
     every = _solve_f(dense, tables(math.inf), S)[:, 0, D]
     floor = {k: float(every[1 : k + 1].min()) for k in caps}
@@ -706,6 +685,28 @@ def _search(
     return best_value, best_tmax, best_s, best_F
 
 
+def _profiled(stage_cost: StageCostFn, L: int, N: int, M: int, cache: dict | None) -> tuple[dict, dict[str, int]]:
+    """The profiled table of stage options and its stats, kept in ``cache`` between DP runs."""
+    profiled = cache.get((L, N, M)) if cache is not None else None
+    if profiled is None:
+        stats: dict[str, int] = {}
+        profiled = (_profile(stage_cost, L, submesh_shapes(N, M), stats), stats)
+        if cache is not None:
+            cache[(L, N, M)] = profiled
+    return profiled
+
+
+def _per_position(dense: _Dense, needs: list[int], S: int) -> Callable[[float], list[np.ndarray | None]]:
+    """t_max -> the times table of each position s = 1..S (its options eligible for needs[s]; item 0 unused)."""
+    distinct = sorted(set(needs[1:]))
+
+    def tables(t_max: float) -> list[np.ndarray | None]:
+        by_need = {need: dense.allowed(t_max, need) for need in distinct}
+        return [None] + [by_need[needs[s]] for s in range(1, S + 1)]
+
+    return tables
+
+
 def _search_per_position(
     dense: _Dense,
     table: dict[tuple[int, int, Shape], _Options],
@@ -722,11 +723,7 @@ def _search_per_position(
     best_value, best_tmax, best_s, best_F = math.inf, math.nan, 0, None
     if not dense.sizes:
         return best_value, best_tmax, best_s, best_F
-    distinct = sorted(set(needs[1:]))
-
-    def per_position(t_max: float) -> list[np.ndarray | None]:
-        by_need = {need: dense.allowed(t_max, need) for need in distinct}
-        return [None] + [by_need[needs[s]] for s in range(1, S + 1)]
+    per_position = _per_position(dense, needs, S)
 
     # lower bound on sum_i t_i for any t_max: the DP with every eligible option allowed
     floor = float(_solve_f(dense, per_position(math.inf), S)[1:, 0, D].min())

@@ -40,7 +40,7 @@ from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logic
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
 )
-from alpa_lab.passes.methods import make_plan, method_restrictions, solve_tied
+from alpa_lab.passes.methods import TIE_PERIODS, make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
@@ -222,13 +222,12 @@ class PipelineProblem:
         if sg is None:
             piece = self.piece(layers)
             sg = self._twin_graph(layers, cost_signature(mesh), tie_period)
-            untied = self.stage_graphs.get((layers, cost_signature(mesh), 1)) if tie_period != 1 else None
-            if sg is not None:
-                pass
-            elif untied is not None:
-                sg = retie(untied, piece.graph, tie_period)
-            else:
-                sg = build_strategy_graph(piece.graph, mesh, argument_kinds=self.piece_kinds(piece), tie_period=tie_period)
+            if sg is None:
+                untied = self.stage_graphs.get((layers, cost_signature(mesh), 1)) if tie_period != 1 else None
+                if untied is not None:
+                    sg = retie(untied, piece.graph, tie_period)
+                else:
+                    sg = build_strategy_graph(piece.graph, mesh, argument_kinds=self.piece_kinds(piece), tie_period=tie_period)
             self.stage_graphs[key] = sg
             if self.reuse:
                 self.stage_twins.setdefault(self._twin_key(layers, cost_signature(mesh), tie_period), layers)
@@ -506,7 +505,7 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
     The solution chooses per group of the ILP, and a renamed problem (``relabel``) has the same
     groups and costs, so it is the solution of this stage too (at the tie period it was found at).
     """
-    for period in sorted({p for (_, sig, p) in problem.stage_graphs if sig == signature}):
+    for period in TIE_PERIODS:
         twin = problem.stage_twins.get(problem._twin_key(layers, signature, period))
         if twin is None or twin == layers or (twin, signature, method, ()) not in problem.stage_solutions:
             continue
