@@ -577,3 +577,11 @@ def test_one_capped_search_equals_the_dp_per_cap():
             check_positions(joint[k], cost, in_flight)
             compared["limited" if limited else "plain"] += 1
     assert compared["plain"] > 50 and compared["limited"] > 20 and compared["infeasible"] > 0, compared
+
+
+@pytest.mark.parametrize("caps, match", [([0, 2], "a stage cap must be >= 1, got 0"), ([1.5], "a stage cap must be an int")])
+def test_capped_search_refuses_bad_caps(caps, match):
+    from alpa_lab.passes.inter_op import stage_dp_capped
+
+    with pytest.raises(InterOpError, match=match):
+        stage_dp_capped(3, 1, 2, 4, _compute_heavy, caps)
