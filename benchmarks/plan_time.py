@@ -42,7 +42,7 @@ from alpa_lab.models import gpt_config, make_gpt, make_wide_resnet, wide_resnet_
 from alpa_lab.passes.inter_op import logical_shapes, pipeline_latency
 from alpa_lab.passes.inter_op import InterOpError
 from alpa_lab.passes.pipeline import MEMORY_SAVING_METHODS, PipelineProblem, check_memory, plan_pipeline, plan_stages
-from alpa_lab.passes.submesh import place_submeshes, submesh_shapes
+from alpa_lab.passes.submesh import SUBMESH_SPACES, place_submeshes, submesh_shapes
 
 # name: (hidden, layers, heads, devices, micro-batches) -- Alpa OSDI'22 Table 4 (GPT-3 family), seq
 # 1024, batch 1024; micro-batches chosen so that activations fit a 16 GB V100 (eq. 5) without
@@ -247,7 +247,8 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     graph, _ = trace_microbatched(ex.train_step, ex.args, M, num_layers, remat=args.remat)
     t_trace = time.perf_counter() - t0
     problem, stages, timeline = plan_pipeline(
-        graph, cluster, num_microbatches=M, schedule="1f1b", logical_meshes=args.logical_meshes
+        graph, cluster, num_microbatches=M, schedule="1f1b", logical_meshes=args.logical_meshes,
+        submesh_space=args.submesh_space,
     )
     total = time.perf_counter() - t0
     s = problem.seconds
@@ -293,7 +294,8 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
     if args.no_reuse_up_to and devices <= args.no_reuse_up_to:
         t2 = time.perf_counter()
         fresh = PipelineProblem.build(graph, cluster, reuse=False)
-        plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b", problem=fresh, logical_meshes=args.logical_meshes)
+        plan_pipeline(graph, cluster, num_microbatches=M, schedule="1f1b", problem=fresh, logical_meshes=args.logical_meshes,
+                      submesh_space=args.submesh_space)
         print(f"    without repeated-layer reuse: planned in {time.perf_counter() - t2:.2f}s (vs {total - t_trace:.2f}s after tracing)")
 
 
@@ -308,12 +310,15 @@ def main() -> None:
     parser.add_argument("--no-reuse-up-to", type=int, default=4, help="also plan without reuse for rows up to this many devices")
     parser.add_argument("--simulate-top", type=int, default=3, help="simulate each baseline's best configurations by eq. 2")
     parser.add_argument("--logical-meshes", default="single_node_model_parallel", choices=("all", "single_node_model_parallel"))
+    parser.add_argument("--submesh-space", default="power_of_two", choices=SUBMESH_SPACES,
+                        help="whole-host sub-mesh counts the DP searches: powers of two (Alpa's default) or all")
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                         help="checkpoint every layer (jax.checkpoint), as the paper's benchmarks did (default on)")
     args = parser.parse_args()
     rows = args.rows.split(",")
     print("Two-level planning on p3.16xlarge hosts (V100 16 GB, NVLink inside a host, 25 Gb/s across), 1F1B, "
-          f"{'per-layer remat' if args.remat else 'no remat'}")
+          f"{'per-layer remat' if args.remat else 'no remat'}; DP over {args.submesh_space} sub-meshes, "
+          f"{args.logical_meshes} logical meshes (Alpa's defaults: power_of_two, single_node_model_parallel)")
     for kind, table in (("gpt", GPT_ROWS), ("wresnet", WRN_ROWS)):
         if kind not in args.models.split(","):
             continue

@@ -585,3 +585,45 @@ def test_capped_search_refuses_bad_caps(caps, match):
 
     with pytest.raises(InterOpError, match=match):
         stage_dp_capped(3, 1, 2, 4, _compute_heavy, caps)
+
+
+def test_submesh_spaces_are_alpas():
+    """``all`` is the paper's (1, 2^m) and (n, M) for n = 2..N; ``power_of_two`` and ``small_power_of_two``
+    are Alpa's AutoStageOption spaces (host counts 2, 4, 8, ... <= N; 2 and 4 only)."""
+    one_host = [(1, 1), (1, 2), (1, 4), (1, 8)]
+    assert submesh_shapes(6, 8) == one_host + [(n, 8) for n in range(2, 7)]
+    assert submesh_shapes(6, 8, "power_of_two") == one_host + [(2, 8), (4, 8)]
+    assert submesh_shapes(128, 8, "power_of_two") == one_host + [(2**k, 8) for k in range(1, 8)]
+    assert submesh_shapes(128, 8, "small_power_of_two") == one_host + [(2, 8), (4, 8)]
+    assert submesh_shapes(1, 8, "power_of_two") == one_host
+    for N in (1, 2):
+        assert submesh_shapes(N, 4, "power_of_two") == submesh_shapes(N, 4)
+    with pytest.raises(ValueError, match="unknown sub-mesh space 'pow2'.*power_of_two"):
+        submesh_shapes(4, 8, "pow2")
+    with pytest.raises(InterOpError, match="unknown sub-mesh space"):
+        stage_dp(2, 3, 2, 2, lambda *a: StageCost(1.0), submesh_space="pow2")
+
+
+def test_the_dp_over_a_smaller_sub_mesh_space_is_optimal_there_and_never_better_than_all():
+    """On 3 and 5 hosts (where the spaces differ) the DP over ``power_of_two`` equals brute force over that
+    space; it is never better than the DP over every host count, and its stages are power-of-two shapes
+    that tile the cluster."""
+    rng = random.Random(7)
+    lost = 0
+    for trial in range(24):
+        L, N, M, B = rng.randint(2, 4), rng.choice([3, 5]), rng.choice([1, 2]), rng.randint(1, 6)
+        cost = structured_cost(rng, L, mem_cap=None) if trial % 2 else random_cost(rng, p_none=0.2)
+        try:
+            plan = stage_dp(L, N, M, B, cost, submesh_space="power_of_two")
+        except InterOpError:
+            with pytest.raises(InterOpError):
+                brute_force_stages(L, N, M, B, cost, submesh_space="power_of_two")
+            continue
+        ref = brute_force_stages(L, N, M, B, cost, submesh_space="power_of_two")
+        assert plan.total_time == pytest.approx(ref, rel=1e-12)
+        assert {st.submesh_shape for st in plan.stages} <= set(submesh_shapes(N, M, "power_of_two"))
+        assert sorted(d for st in plan.stages for d in st.device_ids) == list(range(N * M))
+        every = stage_dp(L, N, M, B, cost)
+        assert every.total_time <= plan.total_time * (1 + 1e-12)
+        lost += every.total_time < plan.total_time * (1 - 1e-9)
+    assert lost  # the smaller space does lose on some instances: it is a search space, not a free speed-up

@@ -55,6 +55,16 @@ def test_magic_remat(ip):
         ip.run_cell_magic("parallelize", "--cluster local:1x4 --remat --args state,batch", CELL)
 
 
+def test_magic_submesh_space(ip):
+    """``--submesh-space power_of_two``: on 3 hosts the DP may not use a 3-host sub-mesh; a bad space is a usage error."""
+    line = "--cluster local:3x1 --microbatches 4 --layers 3 --submesh-space power_of_two --args state,batch --name s --no-display"
+    ip.run_cell_magic("parallelize", line, CELL)
+    assert ip.user_ns["train_step"].submesh_space == "power_of_two"
+    assert all(st.submesh_shape != (3, 1) for st in ip.user_ns["s"].stages)
+    with pytest.raises(UsageError, match="unknown sub-mesh space 'pow2'"):
+        ip.run_cell_magic("parallelize", "--cluster local:3x1 --microbatches 4 --submesh-space pow2 --args state,batch", CELL)
+
+
 def test_magic_without_args_only_wraps(ip):
     ip.run_cell_magic("parallelize", "--cluster p3.16xlarge:2", CELL)
     step = ip.user_ns["train_step"]

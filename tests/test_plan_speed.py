@@ -349,3 +349,51 @@ def test_resharding_into_a_returned_weights_layout_is_charged_to_the_update():
         assert total == pytest.approx(st.plan.objective, rel=1e-9)  # every second charged once
         returned += outputs
     assert returned > 0  # the case is exercised: megatron on a 4x1 mesh returns weights resharded
+
+
+def _candidates(graph, cluster, M, schedule, screen):
+    problem, stages, timeline = plan_pipeline(graph, cluster, num_microbatches=M, schedule=schedule, screen_candidates=screen)
+    chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids, st.plan.method) for st in stages]
+    return problem.candidates, chosen, timeline.makespan + max(st.apply_time for st in stages)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", pytest.param("wide_resnet", marks=pytest.mark.slow)])
+def test_a_candidates_floor_is_below_its_planned_step_and_screening_keeps_the_choice(name):
+    """``estimated_step`` (the DP's layer costs simulated with the placed transfers) is a floor of the planned
+    candidate's step, so skipping candidates whose floor is above a planned step never changes the plan:
+    on slow and preset links, three schedules (the split-backward one is never screened), the screened
+    choice equals planning every candidate."""
+    ex = tiny_example(name)
+    planned = screened = several = 0
+    for cluster in (al.ClusterSpec.local(2, 2), dataclasses.replace(al.ClusterSpec.local(2, 4), inter_host_bandwidth=2e6)):
+        step = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4)
+        graph = step.trace(*ex.args)
+        for schedule in ("1f1b", "gpipe", "zb_h1"):
+            every, chosen, best = _candidates(graph, cluster, 4, schedule, screen=False)
+            assert all(s is not None for _, _, s in every)
+            for _, floor, s in every:
+                assert floor <= s * (1 + 1e-9)
+            several += len(every) > 1
+            kept, chosen_screened, best_screened = _candidates(graph, cluster, 4, schedule, screen=True)
+            assert (chosen_screened, best_screened) == (chosen, best)
+            assert [c for c, _, _ in kept] == [c for c, _, _ in every]
+            planned += sum(s is not None for _, _, s in kept)
+            screened += sum(s is None for _, _, s in kept)
+            if schedule == "zb_h1":
+                assert all(s is not None for _, _, s in kept)
+    assert several and screened > 0  # cases with candidates to skip, skipped, and no choice changed
+
+
+def test_a_power_of_two_space_plans_on_power_of_two_sub_meshes_and_re_plans_keep_it():
+    """``parallelize(submesh_space="power_of_two")`` on 3 hosts: the DP's stages, and the DP's stages after
+    pin_stages + unpin_stages, use 1- or 2-host sub-meshes only (the space is remembered by the plan's problem)."""
+    ex = tiny_example("mlp")
+    cluster = al.ClusterSpec.local(3, 1)
+    step = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=3, submesh_space="power_of_two")
+    plan = step.plan(*ex.args)
+    allowed = {(1, 1), (2, 1)}
+    assert {st.submesh_shape for st in plan.stages} <= allowed
+    again = plan.pin_stages([[0, 2]], submeshes=[(3, 1)]).unpin_stages()
+    assert {st.submesh_shape for st in again.stages} <= allowed
+    with pytest.raises(ValueError, match="unknown sub-mesh space 'pow2'; choose one of all, power_of_two"):
+        al.parallelize(ex.train_step, cluster=cluster, microbatches=4, submesh_space="pow2")

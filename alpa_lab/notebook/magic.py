@@ -62,6 +62,7 @@ class ParallelizeMagics(Magics):
     @argument("--method", default="alpa", help=f"planning method: {', '.join(al.METHODS)}")
     @argument("--max-stages", type=int, default=None, help="at most this many pipeline stages")
     @argument("--cost-model", default="analytic", help="analytic (FLOPs, bytes, links) or profile (stages timed on the devices)")
+    @argument("--submesh-space", default="all", help="whole-host sub-meshes the stage DP tries: all or power_of_two (fast on many hosts)")
     @argument("--remat", action="store_true", help="recompute each pipeline layer in the backward (jax.checkpoint per layer): less memory")
     @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
     @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
@@ -124,6 +125,7 @@ class ParallelizeMagics(Magics):
                 max_stages=opts.max_stages,
                 cost_model=opts.cost_model,
                 remat=opts.remat,
+                submesh_space=opts.submesh_space,
             )
         except ValueError as err:  # bad option combinations: say which, and keep the old binding
             if previous is _UNSET:

@@ -480,6 +480,7 @@ def stage_dp(
     max_stages: int | None = None,
     in_flight: InFlightFn | None = None,
     cache: dict | None = None,
+    submesh_space: str = "all",
 ) -> InterOpPlan:
     """Alpa's stage-construction DP (eq. 2-5): optimal slicing, sub-meshes and logical meshes.
 
@@ -492,13 +493,15 @@ def stage_dp(
 
     ``cache``: a dict kept by the caller between calls with the same ``stage_cost`` (the DP run
     again with fewer stages): the profiled table is kept there and ``stage_cost`` not asked again.
+    ``submesh_space``: the sub-mesh shapes searched (``submesh.SUBMESH_SPACES``; the optimum
+    is over that space).
     """
     L, N, M, B, S = _validate(
         num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, max_stages
     )
     needs = _in_flight_needs(in_flight, S)
     D = N * M
-    table, stats = _profiled(stage_cost, L, N, M, cache)
+    table, stats = _profiled(stage_cost, L, N, M, cache, submesh_space)
     if not table:
         if stats.get("no_memory"):
             raise InterOpError(
@@ -570,6 +573,7 @@ def stage_dp_capped(
     caps: Collection[int],
     in_flight: InFlightFn | None = None,
     cache: dict | None = None,
+    submesh_space: str = "all",
 ) -> dict[int, InterOpPlan]:
     """``stage_dp(..., max_stages=k)`` for every k in ``caps``, from one search over t_max.
 
@@ -586,7 +590,7 @@ def stage_dp_capped(
     caps = [k for k in caps if k <= S]
     needs = _in_flight_needs(in_flight, S)
     D = N * M
-    table, _ = _profiled(stage_cost, L, N, M, cache)
+    table, _ = _profiled(stage_cost, L, N, M, cache, submesh_space)
     if not table:
         return {}
     dense = _Dense(table, L, D)
@@ -685,15 +689,25 @@ def _search(
     return best_value, best_tmax, best_s, best_F
 
 
-def _profiled(stage_cost: StageCostFn, L: int, N: int, M: int, cache: dict | None) -> tuple[dict, dict[str, int]]:
+def _profiled(
+    stage_cost: StageCostFn, L: int, N: int, M: int, cache: dict | None, space: str = "all"
+) -> tuple[dict, dict[str, int]]:
     """The profiled table of stage options and its stats, kept in ``cache`` between DP runs."""
-    profiled = cache.get((L, N, M)) if cache is not None else None
+    profiled = cache.get((L, N, M, space)) if cache is not None else None
     if profiled is None:
         stats: dict[str, int] = {}
-        profiled = (_profile(stage_cost, L, submesh_shapes(N, M), stats), stats)
+        profiled = (_profile(stage_cost, L, _shapes(N, M, space), stats), stats)
         if cache is not None:
-            cache[(L, N, M)] = profiled
+            cache[(L, N, M, space)] = profiled
     return profiled
+
+
+def _shapes(N: int, M: int, space: str) -> list[Shape]:
+    """The sub-mesh shapes of ``space``; an unknown space is an InterOpError naming the choices."""
+    try:
+        return submesh_shapes(N, M, space)
+    except ValueError as err:
+        raise InterOpError(str(err)) from None
 
 
 def _per_position(dense: _Dense, needs: list[int], S: int) -> Callable[[float], list[np.ndarray | None]]:
@@ -757,6 +771,7 @@ def brute_force_stages(
     stage_cost: StageCostFn,
     max_stages: int | None = None,
     in_flight: InFlightFn | None = None,
+    submesh_space: str = "all",
 ) -> float:
     """Reference optimum of eq. 2 by exhaustive search (for tests).
 
@@ -771,7 +786,7 @@ def brute_force_stages(
     )
     needs = _in_flight_needs(in_flight, S)
     D = N * M
-    shapes = submesh_shapes(N, M)
+    shapes = _shapes(N, M, submesh_space)
     memo: dict[tuple[int, int, Shape, Shape], list[StageCost]] = {}
 
     def cost(start: int, end: int, shape: Shape, logical: Shape) -> list[StageCost]:

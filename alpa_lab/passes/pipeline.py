@@ -43,7 +43,7 @@ from alpa_lab.passes.intra_op import (
 from alpa_lab.passes.methods import TIE_PERIODS, make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
-from alpa_lab.passes.submesh import PlacementError, place_submeshes, submesh_shapes
+from alpa_lab.passes.submesh import SUBMESH_SPACES, PlacementError, place_submeshes, submesh_shapes
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
@@ -112,6 +112,12 @@ class PipelineProblem:
     DP asks a layer's memory-saving layouts right after its fastest one, and they share it"""
     prefixes: dict[tuple, tuple[np.ndarray, ...]] = field(default_factory=dict)
     """(sub-mesh, logical mesh, method) -> cumulative layer costs: a stage's cost in O(1)"""
+    logical_meshes: str = "all"
+    submesh_space: str = "all"
+    """the DP's search space of the last ``plan_pipeline`` (re-plans search the same one)"""
+    candidates: list[tuple[InterOpPlan, float, float | None]] = field(default_factory=list)
+    """the last ``plan_pipeline``'s candidates: (the DP's stages, their floor (``estimated_step``), their
+    simulated step once planned; None: not planned, as the floor was above a planned step; inf: over memory)"""
 
     def piece(self, layers: tuple[int, int]) -> Subgraph:
         """The program of the stage holding ``layers`` [start, end)."""
@@ -325,7 +331,7 @@ class PipelineProblem:
         _, stages, _ = plan_pipeline(
             self.graph, cluster, num_microbatches=plan.num_microbatches,
             schedule="1f1b" if interleaved else plan.schedule, method=plan.method, max_stages=plan.max_stages,
-            problem=self,
+            problem=self, logical_meshes=self.logical_meshes, submesh_space=self.submesh_space,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
         if interleaved:
@@ -345,6 +351,7 @@ class PipelineProblem:
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
         new.stage_timer = self.stage_timer
+        new.logical_meshes, new.submesh_space = self.logical_meshes, self.submesh_space
         if plan.stage_pins:
             # the user fixed the stages: keep them as planned (chunks of an interleaved plan share
             # meshes, which fixed_stages would place apart), and each stage's layout (memory-saving or not)
@@ -588,13 +595,7 @@ def plan_stages(
     Stages that share devices are the virtual stages of an interleaved plan: stage j must
     then run on mesh j % P (P distinct meshes), as ``interleaved_1f1b`` places them.
     """
-    # the instruction lists and their check depend only on the stage count, meshes and micro-batches: every
-    # candidate of a plan with as many stages shares them (a 1,024-micro-batch check is not free)
-    key = (schedule, len(stages), num_microbatches, _num_meshes(stages, schedule))
-    if key not in problem.schedules:
-        sched = stage_schedule(stages, schedule, num_microbatches)
-        problem.schedules[key] = (sched, check(sched))
-    sched, report = problem.schedules[key]
+    sched, report = _checked_schedule(problem, stages, schedule, num_microbatches)
     deferred: set[str] = set()
     if sched.split_backward:
         stage_of_op = problem.slicing.stage_of_ops([layers for layers, *_ in stages])
@@ -618,6 +619,40 @@ def plan_stages(
         weight_time=[r.weight_gradient_time for r in results] if split else None,
     )
     return tuple(results), timeline
+
+
+def _checked_schedule(problem: PipelineProblem, stages: Sequence[tuple], schedule: str, num_microbatches: int) -> tuple[Schedule, Any]:
+    """The schedule of ``stages`` and its check (``schedule.check``), kept on the problem: they depend only on
+    the stage count, meshes and micro-batches, which candidates share (a 1,024-micro-batch check is not free)."""
+    key = (schedule, len(stages), num_microbatches, _num_meshes(stages, schedule))
+    if key not in problem.schedules:
+        sched = stage_schedule(stages, schedule, num_microbatches)
+        problem.schedules[key] = (sched, check(sched))
+    return problem.schedules[key]
+
+
+def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str = "alpa") -> float:
+    """A DP candidate's simulated step before its stages are planned: the schedule simulated with each
+    stage's forward and backward from its layers' costs (the DP's), and the placed boundary transfers.
+
+    It leaves out what only a stage plan knows (the update, the reshardings between a stage's layers)
+    and each layer's ILP is a relaxation of its part in the stage's ILP, so it is about a floor of
+    the planned candidate's step: ``plan_pipeline`` plans candidates cheapest first and skips those
+    whose floor is already above the best planned step (``tests/test_plan_speed.py`` checks the floor
+    against the planned steps, and the screened choice against planning every candidate).
+    """
+    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
+    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches)
+    costs = [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
+    if sched.split_backward or any(c is None for c in costs):
+        return 0.0  # a split backward's weight gradients fill bubbles: the layers' backward is no floor; plan it
+    timeline = simulate(
+        sched,
+        forward_time=[c.forward for c in costs],
+        backward_time=[c.backward for c in costs],
+        transfer_time=_transfer_time(problem, inter.stages),
+    )
+    return timeline.makespan
 
 
 def boundary_parts(problem: PipelineProblem, stages: Sequence[StageResult]) -> list[CostParts]:
@@ -692,6 +727,8 @@ def plan_pipeline(
     logical_meshes: str = "all",
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None,
     transfers: bool = True,
+    submesh_space: str = "all",
+    screen_candidates: bool = True,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -703,10 +740,17 @@ def plan_pipeline(
     ``logical_meshes`` is the space of logical mesh shapes per sub-mesh: ``"all"`` 2-D views,
     or ``"single_node_model_parallel"`` (Alpa's option of that name): (n / k, k) with the
     model-parallel axis k inside one host, which prices far fewer meshes on a large cluster.
+    ``submesh_space`` is the space of sub-mesh shapes (``submesh.SUBMESH_SPACES``): ``"all"``
+    whole-host counts 2..N as the paper, or ``"power_of_two"`` as Alpa's implementation
+    (log2 N shapes instead of N - 1: what makes 128 hosts plannable; the DP's optimum is then
+    over that space). ``screen_candidates=False`` plans every candidate (see ``estimated_step``).
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
+    if submesh_space not in SUBMESH_SPACES:
+        raise ValueError(f"unknown sub-mesh space {submesh_space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
     problem = problem or PipelineProblem.build(graph, cluster)
+    problem.logical_meshes, problem.submesh_space = logical_meshes, submesh_space
     if stage_timer is not None:
         problem.stage_timer = stage_timer
     N, M = cluster.hosts, cluster.devices_per_host
@@ -749,7 +793,7 @@ def plan_pipeline(
     try:
         inter = stage_dp(
             problem.slicing.num_layers, N, M, num_microbatches, cost, max_stages=max_stages,
-            in_flight=rule, cache=profiled,
+            in_flight=rule, cache=profiled, submesh_space=submesh_space,
         )
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
@@ -761,7 +805,7 @@ def plan_pipeline(
         plain_table: dict = {}
         try:
             plain = stage_dp(problem.slicing.num_layers, N, M, num_microbatches, plain_cost, max_stages=max_stages,
-                             in_flight=rule, cache=plain_table)
+                             in_flight=rule, cache=plain_table, submesh_space=submesh_space)
         except InterOpError:  # e.g. eq. 2's optimum cannot be placed: not a candidate
             plain = None
         if plain is not None:
@@ -773,8 +817,16 @@ def plan_pipeline(
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
+    # cheapest estimate first; a candidate whose floor (``estimated_step``) is above the best planned step
+    # is not planned (the measured profile replaces the costs the floor is made of: then plan every one)
+    screen = screen_candidates and problem.stage_timer is None
+    floors = [estimated_step(problem, c, schedule, method) if screen else 0.0 for c in candidates]
     best, refused = None, None
-    for cand in candidates:
+    steps: list[float | None] = [None] * len(candidates)
+    for i in sorted(range(len(candidates)), key=lambda i: floors[i]):
+        cand = candidates[i]
+        if best is not None and (floors[i], i) > (best[0], best[1]):
+            continue
         _remember_variants(problem, cand, method)
         stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in cand.stages]
         results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
@@ -782,13 +834,15 @@ def plan_pipeline(
             check_memory(results, cluster)
         except InterOpError as err:
             refused = refused or err
+            steps[i] = math.inf
             continue
-        step_time = timeline.makespan + max(r.apply_time for r in results)
-        if best is None or step_time < best[0]:
-            best = (step_time, cand, results, timeline)
+        step_time = steps[i] = timeline.makespan + max(r.apply_time for r in results)
+        if best is None or (step_time, i) < (best[0], best[1]):  # ties: the earlier candidate, as unscreened
+            best = (step_time, i, cand, results, timeline)
+    problem.candidates = list(zip(candidates, floors, steps))
     if best is None:
         raise refused
-    _, chosen, results, timeline = best
+    _, _, chosen, results, timeline = best
     _remember_variants(problem, chosen, method)  # re-plans (pins) of its stages use the same layouts
     return problem, results, timeline
 
@@ -832,7 +886,7 @@ def _fewer_stage_optima(
         caps.append(k)
         k *= 2
     found = stage_dp_capped(problem.slicing.num_layers, problem.cluster.hosts, problem.cluster.devices_per_host,
-                            num_microbatches, cost, caps, in_flight=rule, cache=cache)
+                            num_microbatches, cost, caps, in_flight=rule, cache=cache, submesh_space=problem.submesh_space)
     out: list[InterOpPlan] = []
     for k in caps:  # fewer stages that do not fit (memory) are not candidates
         cand = found.get(k)

@@ -6,6 +6,12 @@ A cluster is ``num_hosts`` (N) hosts with ``devices_per_host`` (M) devices each;
 stage inside one host (fast intra-host links), the 2-D ones use whole hosts. With these
 shapes, any multiset whose sizes sum to N*M can tile the cluster exactly (Appendix A), so
 the inter-op DP only has to check the total size; ``place_submeshes`` builds that tiling.
+
+On large clusters the whole-host shapes are many (n = 2..N), and the DP prices every layer
+range on each. Alpa's implementation searches ``power_of_two`` host counts by default
+(its ``AutoStageOption.submesh_physical_shape_space``); the spaces here are Alpa's. Any
+multiset of these shapes summing to N*M still tiles the cluster (whole hosts first, then
+the one-host shapes buddy-allocated), so every space plans any N.
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Placement", "PlacementError", "place_submeshes", "submesh_shapes"]
+__all__ = ["SUBMESH_SPACES", "Placement", "PlacementError", "place_submeshes", "submesh_shapes"]
+
+SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two")
+"""Whole-host shapes (n, M) searched: every n = 2..N (the paper's space), powers of two
+(Alpa's default), or powers of two up to 4 hosts."""
 
 
 class PlacementError(ValueError):
@@ -37,13 +47,16 @@ def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int]]:
+def submesh_shapes(num_hosts: int, devices_per_host: int, space: str = "all") -> list[tuple[int, int]]:
     """Alpa's candidate sub-mesh shapes for an N x M cluster, smallest first (sec. 5.2).
 
     1-D shapes ``(1, 2^m)`` up to M (plus ``(1, M)`` when M is not a power of two), then
-    2-D shapes ``(n, M)`` for n = 2..N.
+    2-D shapes ``(n, M)`` for n = 2..N (``space="all"``), or n = 2, 4, 8, ... <= N
+    (``"power_of_two"``), or n in (2, 4) (``"small_power_of_two"``).
     """
     _check_cluster(num_hosts, devices_per_host)
+    if space not in SUBMESH_SPACES:
+        raise ValueError(f"unknown sub-mesh space {space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
     shapes: list[tuple[int, int]] = []
     k = 1
     while k <= devices_per_host:
@@ -51,7 +64,12 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int
         k *= 2
     if shapes[-1] != (1, devices_per_host):
         shapes.append((1, devices_per_host))
-    shapes.extend((n, devices_per_host) for n in range(2, num_hosts + 1))
+    if space == "all":
+        hosts = list(range(2, num_hosts + 1))
+    else:
+        top = num_hosts if space == "power_of_two" else min(num_hosts, 4)
+        hosts = [2**i for i in range(1, top.bit_length()) if 2**i <= top]
+    shapes.extend((n, devices_per_host) for n in hosts)
     return shapes
 
 
