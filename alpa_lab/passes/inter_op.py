@@ -316,12 +316,24 @@ class _Dense:
     Taking the min over sub-meshes of equal size is exact: t + F is monotone in t, so
     min_i(t_i) + F == min_i(t_i + F) in floating point too. ``shift[j, d]`` indexes
     d - sizes[j] into a row padded with one trailing inf (index D + 1) where d < sizes[j].
+
+    Devices are counted in units of the greatest common divisor of the sub-mesh sizes with a
+    feasible option (``unit``; ``D`` and ``sizes`` are in units): only multiples of it can be
+    used up, so F at the other device counts is inf and need not be computed. On 128 hosts
+    where no stage fits fewer than a host's 8 devices, the tables are 8x smaller. If N*M is
+    not a multiple of the unit no slicing covers the cluster (``sizes`` is then empty).
     """
 
     def __init__(self, table: dict[tuple[int, int, Shape], _Options], L: int, D: int):
-        sizes = sorted({shape[0] * shape[1] for (_, _, shape) in table if shape[0] * shape[1] <= D})
+        real = sorted({shape[0] * shape[1] for (_, _, shape) in table if shape[0] * shape[1] <= D})
+        unit = math.gcd(*real) if real else 1
+        if D % unit:
+            real = []
+        self.unit = unit
+        D //= unit
+        sizes = [size // unit for size in real]
         self.table = table
-        self.index = {size: j for j, size in enumerate(sizes)}
+        self.index = {size: j for j, size in enumerate(real)}  # real sizes -> j
         d = np.arange(D + 1)
         shift = d[None, :] - np.asarray(sizes, dtype=np.int64)[:, None]
         shift[shift < 0] = D + 1
@@ -387,42 +399,56 @@ class _MinOverStages:
         return float(G[0, -1])
 
 
+def _bands(dense: _Dense, table: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    """The finite entries of a times table by (sub-mesh size, width): (size in units, width w, starts k,
+    times t[k, k + w]). Memory limits and t_max keep stages a few layers wide, so these are a thin
+    band of the L x L table (14 layers wide at most for GPT-3 175B's 96) and the DP walks only it."""
+    out = []
+    for j, size in enumerate(dense.sizes):
+        t = table[:, :, j]
+        k, e = np.nonzero(np.isfinite(t))
+        if k.size == 0:
+            continue
+        w = e - k
+        for width in np.unique(w):
+            ks = k[w == width]
+            out.append((size, int(width), ks, t[ks, ks + width]))
+    return out
+
+
 def _solve_f(
     dense: _Dense,
     allowed: np.ndarray | list[np.ndarray | None],
     S: int,
     stop_at: float | None = None,
 ) -> np.ndarray:
-    """F[s, k, d] of eq. 3 for one t_max (numpy over k, end and d); inf where infeasible.
+    """F[s, k, d] of eq. 3 for one t_max (numpy over starts and devices, per stage width); inf where infeasible.
 
     ``allowed`` is one times table used at every position, or a list whose item [s] is the
     table for the stage at position s (item 0 unused). With ``stop_at``, stops after the
     first s with F[s, 0, D] == stop_at (the rest is left inf; it is not needed to
-    reconstruct that s).
+    reconstruct that s). Only finite stage times are combined (``_bands``): an inf term never
+    wins a min, so F is the same as over every (k, end) pair, bit for bit.
     """
-    L, D, sizes = dense.L, dense.D, dense.sizes
+    L, D = dense.L, dense.D
     per_position = isinstance(allowed, list)
     F = np.full((S + 1, L + 1, D + 1), np.inf)
     F[0, L, 0] = 0.0
+    bands: dict[int, list] = {}
     for s in range(1, S + 1):
-        # stage s (counting from the end) starts at k <= L - s and ends at end <= L - s + 1
-        kmax, emax = L - s + 1, L - s + 2
-        prev = F[s - 1, :emax]
-        row = F[s, :kmax]
         table = allowed[s] if per_position else allowed
-        # only the rows k and ends with a finite stage time and a finite rest can win a min
-        # (inf terms never do), so each block is cut to their bounding box: same values
-        finite = np.isfinite(table[:kmax, :emax]) & np.isfinite(prev).any(axis=1)[None, :, None]
-        rows_any, ends_any = finite.any(axis=1), finite.any(axis=0)
-        for j, size in enumerate(sizes):
-            rows = np.flatnonzero(rows_any[:, j])
-            if rows.size == 0:
+        if id(table) not in bands:
+            bands[id(table)] = _bands(dense, table)
+        prev, row = F[s - 1], F[s]
+        last = L - s + 1  # stage s (counting from the end) ends at k + w <= L - s + 1: s - 1 stages follow
+        for size, width, ks, ts in bands[id(table)]:
+            keep = ks <= last - width
+            if not keep.all():
+                ks, ts = ks[keep], ts[keep]
+            if ks.size == 0:
                 continue
-            ends = np.flatnonzero(ends_any[:, j])
-            k0, k1, e0, e1 = rows[0], rows[-1] + 1, ends[0], ends[-1] + 1
-            t = table[k0:k1, e0:e1, j]
-            cand = (t[:, :, None] + prev[None, e0:e1, : D + 1 - size]).min(axis=1)
-            np.minimum(row[k0:k1, size:], cand, out=row[k0:k1, size:])
+            cand = ts[:, None] + prev[ks + width, : D + 1 - size]
+            row[ks, size:] = np.minimum(row[ks, size:], cand)
         if stop_at is not None and F[s, 0, D] == stop_at:
             break
     return F
@@ -430,9 +456,7 @@ def _solve_f(
 
 def _reconstruct(
     F: np.ndarray,
-    table: dict[tuple[int, int, Shape], _Options],
-    L: int,
-    D: int,
+    dense: _Dense,
     s: int,
     t_max: float,
     needs: list[int] | None = None,
@@ -443,8 +467,9 @@ def _reconstruct(
     ``needs[s]`` micro-batches in flight (any option when ``needs`` is None): exactly the
     time the dense table for that position holds.
     """
+    L, D = dense.L, dense.D
     by_start: dict[int, list[tuple[int, Shape, _Options]]] = {}
-    for (start, end, shape), opts in table.items():
+    for (start, end, shape), opts in dense.table.items():
         by_start.setdefault(start, []).append((end, shape, opts))
     stages: list[tuple[int, int, Shape, _Option]] = []
     k, d = 0, D
@@ -452,7 +477,7 @@ def _reconstruct(
         target = F[s, k, d]
         need = None if needs is None else needs[s]
         for end, shape, opts in by_start.get(k, ()):
-            size = shape[0] * shape[1]
+            size = shape[0] * shape[1] // dense.unit
             opt = opts.best(need)
             if opt is None or opt.time > t_max or size > d:
                 continue
@@ -541,7 +566,7 @@ def stage_dp(
             f"covering all layers on exactly {D} devices"
         )
 
-    chosen = _reconstruct(best_F, table, L, D, best_s, best_tmax, needs)
+    chosen = _reconstruct(best_F, dense, best_s, best_tmax, needs)
     return _placed(chosen, N, M, B)
 
 
@@ -605,16 +630,28 @@ def stage_dp_capped(
         needs = None
         tables = dense.allowed  # type: ignore[assignment]
         candidates = sorted({opts.time for opts in table.values()})
+    D = dense.D  # in units of devices (``_Dense``)
     every = _solve_f(dense, tables(math.inf), S)[:, 0, D]
     floor = {k: float(every[1 : k + 1].min()) for k in caps}
     best = {k: (math.inf, math.nan) for k in caps}
-    for t_max in candidates:
+    # each cap's search starts at its first feasible t_max: below it F is inf for every s <= k (allowing
+    # more options only helps), and with few stages that is most candidates (16 stages of 96 layers)
+    first: dict[int, int] = {}
+    lo = 0
+    for k in sorted((k for k in caps if math.isfinite(floor[k])), reverse=True):  # more stages: feasible sooner
+        first[k] = lo = _first_feasible(
+            candidates, lo, lambda t, k=k: bool(np.isfinite(_solve_f(dense, tables(t), k)[1:, 0, D]).any())
+        )
+    for i in range(min(first.values(), default=len(candidates)), len(candidates)):
+        t_max = candidates[i]
         live = [
             k for k in caps
-            if not (math.isinf(floor[k]) or B * t_max >= best[k][0] or floor[k] + (B - 1) * t_max >= best[k][0])
+            if k in first and first[k] <= i and not (B * t_max >= best[k][0] or floor[k] + (B - 1) * t_max >= best[k][0])
         ]
         if not live:
-            break
+            if all(first[k] <= i for k in first):
+                break
+            continue
         F = _solve_f(dense, tables(t_max), max(live))[:, 0, D]
         for k in live:
             s = int(np.argmin(F[1 : k + 1])) + 1
@@ -628,13 +665,26 @@ def stage_dp_capped(
         F = _solve_f(dense, tables(t_max), k)
         s = int(np.argmin(F[1:, 0, D])) + 1
         try:
-            out[k] = _placed(_reconstruct(F, table, L, D, s, t_max, needs), N, M, B)
+            out[k] = _placed(_reconstruct(F, dense, s, t_max, needs), N, M, B)
         except InterOpError:  # its sub-meshes cannot be placed: not a plan
             continue
     return out
 
 
 _Search = tuple[float, float, int, "np.ndarray | None"]
+
+
+def _first_feasible(candidates: list[float], lo: int, feasible: Callable[[float], bool]) -> int:
+    """The first index >= ``lo`` of sorted ``candidates`` where ``feasible`` holds (``len`` if none),
+    by bisection: feasibility only grows with t_max, and each probe is one DP."""
+    hi = len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _search(
