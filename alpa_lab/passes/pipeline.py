@@ -103,7 +103,7 @@ class PipelineProblem:
     consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
     """var -> the ops that read it (``graph.consumers()``, once: every piece cut needs it)"""
     schedules: dict[tuple, tuple[Schedule, Any]] = field(default_factory=dict)
-    """(schedule, stages, micro-batches, meshes) -> its instruction lists and their check"""
+    """(schedule, stages, micro-batches, meshes) -> its instruction lists and their check (None until needed)"""
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
     """the profiling cost model (``runtime.stage_profile``): (problem, stages, schedule) -> measured
     seconds per (stage, phase); when set, planned stages are timed on the devices, not priced"""
@@ -621,14 +621,19 @@ def plan_stages(
     return tuple(results), timeline
 
 
-def _checked_schedule(problem: PipelineProblem, stages: Sequence[tuple], schedule: str, num_microbatches: int) -> tuple[Schedule, Any]:
-    """The schedule of ``stages`` and its check (``schedule.check``), kept on the problem: they depend only on
-    the stage count, meshes and micro-batches, which candidates share (a 1,024-micro-batch check is not free)."""
+def _checked_schedule(
+    problem: PipelineProblem, stages: Sequence[tuple], schedule: str, num_microbatches: int, checked: bool = True
+) -> tuple[Schedule, Any]:
+    """The schedule of ``stages`` and its check (``schedule.check``; None if not ``checked`` and not yet made),
+    kept on the problem: they depend only on the stage count, meshes and micro-batches, which candidates
+    share (a 1,024-micro-batch check is not free, and a candidate that is not planned needs none)."""
     key = (schedule, len(stages), num_microbatches, _num_meshes(stages, schedule))
     if key not in problem.schedules:
-        sched = stage_schedule(stages, schedule, num_microbatches)
-        problem.schedules[key] = (sched, check(sched))
-    return problem.schedules[key]
+        problem.schedules[key] = (stage_schedule(stages, schedule, num_microbatches), None)
+    sched, report = problem.schedules[key]
+    if checked and report is None:
+        problem.schedules[key] = (sched, report := check(sched))
+    return sched, report
 
 
 def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str = "alpa") -> float:
@@ -642,7 +647,7 @@ def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, 
     against the planned steps, and the screened choice against planning every candidate).
     """
     stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
-    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches)
+    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)
     costs = [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
     if sched.split_backward or any(c is None for c in costs):
         return 0.0  # a split backward's weight gradients fill bubbles: the layers' backward is no floor; plan it
