@@ -23,7 +23,7 @@ from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import SCHEDULES
-from alpa_lab.passes.submesh import SUBMESH_SPACES
+from alpa_lab.passes.submesh import check_submesh_space
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
 from alpa_lab.runtime.apply import CompiledPlan, call_compiled, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
@@ -110,8 +110,7 @@ class ParallelizedStep:
             )
         if cost_model not in COST_MODELS:
             raise ValueError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
-        if submesh_space not in SUBMESH_SPACES:
-            raise ValueError(f"unknown sub-mesh space {submesh_space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
+        check_submesh_space(submesh_space)
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False, got {remat!r}")
         if remat and microbatches is None:

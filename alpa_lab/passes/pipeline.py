@@ -43,7 +43,7 @@ from alpa_lab.passes.intra_op import (
 from alpa_lab.passes.methods import TIE_PERIODS, make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
-from alpa_lab.passes.submesh import SUBMESH_SPACES, PlacementError, place_submeshes, submesh_shapes
+from alpa_lab.passes.submesh import PlacementError, check_submesh_space, place_submeshes, submesh_shapes
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
@@ -752,8 +752,7 @@ def plan_pipeline(
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
-    if submesh_space not in SUBMESH_SPACES:
-        raise ValueError(f"unknown sub-mesh space {submesh_space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
+    check_submesh_space(submesh_space)
     problem = problem or PipelineProblem.build(graph, cluster)
     problem.logical_meshes, problem.submesh_space = logical_meshes, submesh_space
     if stage_timer is not None:

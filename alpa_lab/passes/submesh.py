@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SUBMESH_SPACES", "Placement", "PlacementError", "place_submeshes", "submesh_shapes"]
+__all__ = ["SUBMESH_SPACES", "Placement", "PlacementError", "check_submesh_space", "place_submeshes", "submesh_shapes"]
 
 SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two")
 """Whole-host shapes (n, M) searched: every n = 2..N (the paper's space), powers of two
@@ -55,8 +55,7 @@ def submesh_shapes(num_hosts: int, devices_per_host: int, space: str = "all") ->
     (``"power_of_two"``), or n in (2, 4) (``"small_power_of_two"``).
     """
     _check_cluster(num_hosts, devices_per_host)
-    if space not in SUBMESH_SPACES:
-        raise ValueError(f"unknown sub-mesh space {space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
+    check_submesh_space(space)
     shapes: list[tuple[int, int]] = []
     k = 1
     while k <= devices_per_host:
@@ -71,6 +70,12 @@ def submesh_shapes(num_hosts: int, devices_per_host: int, space: str = "all") ->
         hosts = [2**i for i in range(1, top.bit_length()) if 2**i <= top]
     shapes.extend((n, devices_per_host) for n in hosts)
     return shapes
+
+
+def check_submesh_space(space: object) -> None:
+    """A ValueError naming the choices unless ``space`` is one of ``SUBMESH_SPACES`` (the API checks early with it)."""
+    if space not in SUBMESH_SPACES:
+        raise ValueError(f"unknown sub-mesh space {space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
 
 
 def _normalize_shape(shape: object) -> tuple[int, int]:
