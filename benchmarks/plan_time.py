@@ -251,7 +251,7 @@ def plan_row(kind: str, name: str, row: tuple, args) -> None:
         submesh_space=args.submesh_space,
     )
     total = time.perf_counter() - t0
-    s = problem.seconds
+    s = dict(problem.seconds)  # before the baselines below add their own stage plans
     step = timeline.makespan + max(st.apply_time for st in stages)
     # the baselines are priced with the DP's layer costs; so is "ours" here (the final stage
     # plans add the weight update and the resharding between layers of a stage)

@@ -224,6 +224,43 @@ def test_plan_figures_follow_the_paper(pipelined_steps):
     assert "stage" in plan.summary() and "1f1b" in plan.summary()
 
 
+def test_each_boundary_is_simulated_on_its_own_link(pipelined_steps):
+    """4 stages of 2 devices on 2 hosts of 4: boundary 1 crosses hosts, 0 and 2 stay inside one.
+    Each boundary's transfer is the heavier direction of the tensors the plan moves across it
+    per micro-batch (the Traffic view's list; each tensor's own size, once) over that link, and
+    the simulation uses it."""
+    from alpa_lab.passes.transfers import pipeline_transfers
+
+    plan = pipelined_steps["mlp"].current_plan.pin_stages(STAGINGS[4]).with_schedule("1f1b")
+    c = LOCAL
+    assert plan.cluster == c.to_dict()
+    hosts = [{d // c.devices_per_host for d in st.device_ids} for st in plan.stages]
+    assert hosts == [{0}, {0}, {1}, {1}]
+    moved = [t for t in pipeline_transfers(plan) if t.per_microbatch]
+
+    def size(t) -> int:
+        return int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+    expect = []
+    for b in range(3):
+        forward = sum(size(t) for t in moved if t.src_stage == b and t.dst_stage > b)
+        backward = sum(size(t) for t in moved if t.dst_stage == b and t.src_stage > b)
+        assert forward > 0 and backward > 0
+        bandwidth = c.intra_host_bandwidth if hosts[b] == hosts[b + 1] else c.inter_host_bandwidth
+        expect.append(max(forward, backward) / bandwidth + c.transfer_overhead)
+    assert plan.timeline.transfer_times == pytest.approx(expect, rel=1e-9)
+    assert plan.timeline.transfer_times[1] > max(plan.timeline.transfer_times[0], plan.timeline.transfer_times[2])
+    assert plan.timeline.transfer_time == max(expect)
+    # the simulated 1F1B makes the slow link wait longer than the fast ones
+    for r in plan.timeline.records:
+        if r.kind == "RECV":
+            peer = r.stage - 1 if r.phase == FORWARD else r.stage + 1
+            send = next(x for x in plan.timeline.records if x.kind == "SEND" and x.stage == peer
+                        and x.phase == r.phase and x.microbatch == r.microbatch)
+            assert r.start >= send.start + plan.timeline.link_time(min(peer, r.stage)) - 1e-12
+    again = al.PipelinePlan.from_json(plan.to_json())
+    assert again.timeline.transfer_times == plan.timeline.transfer_times
+
+
 def test_pin_in_one_stage_replans_only_that_stage(pipelined_steps):
     plan = pipelined_steps["mlp"].current_plan.pin_stages(STAGINGS[2])
     # a dot in stage 1 pinned to another strategy

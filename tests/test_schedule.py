@@ -94,6 +94,28 @@ def test_per_stage_times():
         simulate(gpipe(2, 1), transfer_time=-1.0)
 
 
+def test_per_boundary_transfer_times():
+    """Each boundary's SENDs take its own link's time: one micro-batch through 3 stages crosses
+    boundary 0 and 1 forward, then 1 and 0 back (a sum we can write down)."""
+    F, B, t = [1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.25, 5.0]
+    for name in NAMES:
+        tl = simulate(make_schedule(name, 3, 1), F, B, t)
+        assert tl.makespan == pytest.approx(sum(F) + sum(B) + 2 * sum(t))
+        assert tl.transfer_times == (0.25, 5.0) and tl.transfer_time == 5.0
+        assert (tl.link_time(0), tl.link_time(1)) == (0.25, 5.0)
+    # one time per boundary equals the scalar form when they are all equal, on every schedule
+    for name, (S, M) in itertools.product(NAMES, GRID[::7]):
+        same = simulate(make_schedule(name, S, M), 1.0, 2.0, [0.5] * (S - 1))
+        assert same.makespan == pytest.approx(simulate(make_schedule(name, S, M), 1.0, 2.0, 0.5).makespan)
+    # a slow link costs more than a fast one at the same place; at steady state 1F1B pays it every micro-batch
+    slow_first = simulate(one_f_one_b(3, 8), 1.0, 2.0, [3.0, 0.0]).makespan
+    assert slow_first > simulate(one_f_one_b(3, 8), 1.0, 2.0, [0.0, 0.0]).makespan
+    with pytest.raises(ValueError, match="1 entries for the 2 boundaries of 3 stages"):
+        simulate(gpipe(3, 1), transfer_time=[1.0])
+    with pytest.raises(ValueError, match="transfer_time must be finite"):
+        simulate(gpipe(3, 1), transfer_time=[1.0, float("nan")])
+
+
 def _replace_stage(sched: Schedule, stage: int, prog) -> Schedule:
     lists = list(sched.instructions)
     lists[stage] = tuple(prog)

@@ -272,7 +272,7 @@ def timeline_bars(plan: PipelinePlan) -> tuple[Bar, ...]:
         peer = r.stage - 1 if r.phase == "forward" else r.stage + 1
         send = sends.get((peer, r.phase, r.microbatch))
         if send is not None:
-            arrival = send.start + tl.transfer_time
+            arrival = send.start + tl.link_time(min(peer, r.stage))
             bars.append(Bar(r.mesh, r.stage, "TRANSFER", r.phase, r.microbatch, send.start, arrival, peer=peer))
     for st in plan.stages:
         if st.apply_time > 0:

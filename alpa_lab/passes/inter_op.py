@@ -56,6 +56,8 @@ __all__ = [
     "logical_shapes",
     "pipeline_latency",
     "stage_dp",
+    "stage_dp_capped",
+    "stage_dp_uniform",
 ]
 
 Shape = tuple[int, int]
@@ -539,19 +541,7 @@ def stage_dp(
             "every (layer range, sub-mesh, logical shape)"
         )
 
-    dense = _Dense(table, L, D)
-    # the limits bind when some (range, sub-mesh)'s fastest option cannot be used at every
-    # position: then the per-position tables differ and the stage count matters
-    binds = needs is not None and any(
-        not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values()
-    )
-    if binds:
-        assert needs is not None
-        best_value, best_tmax, best_s, best_F = _search_per_position(dense, table, B, S, needs)
-    else:
-        best_value, best_tmax, best_s, best_F = _search(dense, table, B, S)
-        needs = None  # every fastest option is eligible at every position
-
+    dense, binds, needs, (best_value, best_tmax, best_s, best_F) = _optimum(table, L, D, B, S, needs)
     if best_F is None:
         limit = f" with at most {max_stages} stages" if max_stages is not None else ""
         if binds and dense.sizes and _search(dense, table, B, S)[3] is not None:
@@ -568,6 +558,64 @@ def stage_dp(
 
     chosen = _reconstruct(best_F, dense, best_s, best_tmax, needs)
     return _placed(chosen, N, M, B)
+
+
+def _optimum(
+    table: dict[tuple[int, int, Shape], _Options], L: int, D: int, B: int, S: int, needs: list[int] | None
+) -> tuple[_Dense, bool, list[int] | None, _Search]:
+    """Eq. 4's search over ``table``: its dense form, whether memory limits bind, the needs the
+    search used (None where they do not bind) and the search's result."""
+    dense = _Dense(table, L, D)
+    # the limits bind when some (range, sub-mesh)'s fastest option cannot be used at every
+    # position: then the per-position tables differ and the stage count matters
+    binds = needs is not None and any(
+        not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values()
+    )
+    if binds:
+        assert needs is not None
+        return dense, True, needs, _search_per_position(dense, table, B, S, needs)
+    return dense, False, None, _search(dense, table, B, S)  # every fastest option is eligible everywhere
+
+
+def stage_dp_uniform(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    num_microbatches: int,
+    stage_cost: StageCostFn,
+    in_flight: InFlightFn | None = None,
+    cache: dict | None = None,
+    submesh_space: str = "all",
+) -> dict[Shape, InterOpPlan]:
+    """For each sub-mesh shape of the space, the DP's optimum among plans whose stages all take
+    that shape (N M / size stages), as Megatron-style pipelines do; shapes with more stages than
+    layers, or with no slicing that fits, are left out.
+
+    Each is eq. 4's optimum over a part of ``stage_dp``'s space, so never better by eq. 2; but
+    eq. 2 leaves out the boundary transfers, which 1F1B waits for on every micro-batch, and
+    equal sub-meshes spread the hops between hosts over more stages: ``plan_pipeline`` simulates
+    these candidates with the others. Same profiled table (``cache``) as ``stage_dp``.
+    """
+    L, N, M, B, S = _validate(num_layers, num_hosts, devices_per_host, num_microbatches, stage_cost, None)
+    needs = _in_flight_needs(in_flight, S)
+    D = N * M
+    table, _ = _profiled(stage_cost, L, N, M, cache, submesh_space)
+    out: dict[Shape, InterOpPlan] = {}
+    for shape in _shapes(N, M, submesh_space):
+        size = shape[0] * shape[1]
+        if D % size or D // size > L:
+            continue
+        part = {key: opts for key, opts in table.items() if key[2] == shape}
+        if not part:
+            continue
+        dense, _, used, (_, t_max, s, F) = _optimum(part, L, D, B, D // size, needs)
+        if F is None:
+            continue
+        try:
+            out[shape] = _placed(_reconstruct(F, dense, s, t_max, used), N, M, B)
+        except InterOpError:  # its sub-meshes cannot be placed: not a plan
+            continue
+    return out
 
 
 def _placed(chosen: list[tuple[int, int, Shape, _Option]], N: int, M: int, B: int) -> InterOpPlan:

@@ -36,12 +36,17 @@ from alpa_lab.cost.profile import CostParts, ProfileError
 from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.subgraph import Subgraph, subgraph
-from alpa_lab.passes.inter_op import InterOpError, InterOpPlan, StageCost, logical_shapes, stage_dp, stage_dp_capped
+from alpa_lab.passes.inter_op import (
+    InterOpError, InterOpPlan, StageCost, logical_shapes, pipeline_latency, stage_dp, stage_dp_capped, stage_dp_uniform,
+)
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
 )
 from alpa_lab.passes.methods import TIE_PERIODS, make_plan, method_restrictions, solve_tied
-from alpa_lab.passes.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, simulate
+from alpa_lab.passes.schedule import (
+    BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, one_f_one_b_estimate, one_f_one_b_windows,
+    simulate,
+)
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, check_submesh_space, place_submeshes, submesh_shapes
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
@@ -277,12 +282,17 @@ class PipelineProblem:
         """
         if end >= self.slicing.num_layers:
             return 0.0
-        if self.send_bytes is None:
-            self.send_bytes = _send_bytes(self.graph, self.slicing, self.consumers or self.graph.consumers())
         c = self.cluster
         whole_hosts = submesh[1] == c.devices_per_host and c.hosts > 1
         bandwidth = c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
-        return float(self.send_bytes[start, end]) / bandwidth
+        return self.exchanged_bytes(start, end) / bandwidth
+
+    def exchanged_bytes(self, start: int, end: int) -> float:
+        """Per micro-batch, the heavier direction of what the stage of layers [start, end) exchanges
+        with later stages (``_send_bytes``)."""
+        if self.send_bytes is None:
+            self.send_bytes = _send_bytes(self.graph, self.slicing, self.consumers or self.graph.consumers())
+        return float(self.send_bytes[start, end])
 
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
         """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
@@ -714,9 +724,9 @@ def _measured(times: Mapping[tuple[int, str], float], stages: Sequence[StageResu
     return out
 
 
-def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> float:
-    """The slowest boundary's activation (or gradient) transfer between adjacent stages."""
-    return max((p.seconds(problem.cluster) for p in boundary_parts(problem, stages)), default=0.0)
+def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> list[float]:
+    """Per boundary (stage i to i + 1), its activation (or gradient) transfer per micro-batch."""
+    return [p.seconds(problem.cluster) for p in boundary_parts(problem, stages)]
 
 
 def plan_pipeline(
@@ -802,6 +812,9 @@ def plan_pipeline(
     except InterOpError as err:
         raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
     candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule, profiled)
+    if max_stages is None:  # equal sub-meshes spread the hops between hosts over more stages (stage_dp_uniform)
+        candidates += stage_dp_uniform(problem.slicing.num_layers, N, M, num_microbatches, cost, in_flight=rule,
+                                       cache=profiled, submesh_space=submesh_space).values()
     if transfers:  # the transfer term guesses links: eq. 2's own candidates stay, so the simulation picks from more
         def plain_cost(*a: Any) -> StageCost | None:
             return cost(*a, transfers=False)
@@ -818,6 +831,10 @@ def plan_pipeline(
                 if _slicing(cand) not in seen:
                     seen.add(_slicing(cand))
                     candidates.append(cand)
+    if schedule == "1f1b":  # each candidate's boundaries, moved to where its placed links cost least (_rebalanced)
+        candidates += [r for c in candidates if (r := _rebalanced(problem, c, rule, method)) is not None]
+    seen: set = set()
+    candidates = [c for c in candidates if not (_slicing(c) in seen or seen.add(_slicing(c)))]
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
@@ -897,6 +914,89 @@ def _fewer_stage_optima(
         if cand is not None and all(cand.stages != c.stages for c in out):
             out.append(cand)
     return out
+
+
+def _rebalanced(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[int], int], method: str) -> InterOpPlan | None:
+    """``inter`` with its stage boundaries moved to where 1F1B's period is lowest once the stages are
+    placed; each stage keeps its sub-mesh, devices, logical mesh and layout, and must fit memory
+    at its position. None if the boundaries stay or the estimated step does not fall.
+
+    Eq. 2 has many optima that tie (every slicing whose slowest stage is the same), and it does
+    not see that 1F1B waits for each boundary's transfer on every micro-batch: a slow hop
+    between hosts next to two full stages sets the period. The DP cannot see which boundary
+    crosses hosts (placement comes after it); once placed, this search can. The period is
+    ``one_f_one_b_windows``' largest window; every window is within P when Kadane's recurrence
+    (the heaviest window ending at stage k: E_k = a_k + max(0, E_{k-1} + 2 c_{k-1}), a_k = t_k - P)
+    stays <= 0, and the least E_k dominates, so a DP over the stages' end layers decides P and
+    bisection on P finds the lowest one.
+    """
+    stages, S, L = inter.stages, inter.num_stages, problem.slicing.num_layers
+    if S < 2:
+        return None
+    c = problem.cluster
+    memory, B = c.device_memory, inter.num_microbatches
+    hosts = [{d // c.devices_per_host for d in st.device_ids} for st in stages]
+    problem.exchanged_bytes(0, 1)  # the table of bytes per (start, end)
+    nbytes = problem.send_bytes
+    ranges = np.arange(L + 1)[:, None] < np.arange(L + 1)[None, :]  # [start, end): start < end
+    times, links = [], []
+    for k, st in enumerate(stages):
+        f, b, w, a, bad = problem.cumulative_costs(st.submesh_shape, st.logical_shape, st.variant or method)
+        weight, act = w[None, :] - w[:, None], a[None, :] - a[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            held = np.where(act > 0, np.floor((memory - weight) / act), np.inf)
+        ok = ranges & (bad[None, :] == bad[:, None]) & (weight <= memory) & (held >= rule(S - k))
+        times.append(np.where(ok, (f + b)[None, :] - (f + b)[:, None], np.inf))
+        if k < S - 1:
+            bw = c.intra_host_bandwidth if hosts[k] == hosts[k + 1] else c.inter_host_bandwidth
+            links.append(nbytes / bw + np.where(nbytes > 0, c.transfer_overhead, 0.0))
+
+    def cuts_within(P: float) -> list[int] | None:
+        """Boundaries with every window's period <= P, or None."""
+        H = np.full(L + 1, np.inf)
+        H[0] = 0.0  # stage 0 starts at layer 0, after nothing
+        best_start = []
+        for k in range(S):
+            G = times[k] - P + np.maximum(H, 0.0)[:, None]
+            G[G > 1e-12 * P] = np.inf  # some window ending at stage k is slower than P
+            if k == S - 1:
+                if not np.isfinite(G[:, L]).any():
+                    return None
+                cuts = [L, int(np.argmin(G[:, L]))]
+                for starts in reversed(best_start):
+                    cuts.append(int(starts[cuts[-1]]))
+                return cuts[::-1]
+            nxt = G + 2 * links[k]
+            best_start.append(np.argmin(nxt, axis=0))
+            H = nxt.min(axis=0)
+        return None
+
+    def figures(cuts: list[int]) -> tuple[list[float], list[float]]:
+        return ([float(times[k][cuts[k], cuts[k + 1]]) for k in range(S)],
+                [float(links[k][cuts[k], cuts[k + 1]]) for k in range(S - 1)])
+
+    old = [st.layers[0] for st in stages] + [L]
+    t, x = figures(old)
+    if not all(math.isfinite(v) for v in t):
+        return None
+    before = one_f_one_b_estimate(t, x, B)
+    lo, hi, best = 0.0, float(one_f_one_b_windows(t, x).max()), old
+    while hi - lo > 1e-6 * hi:
+        mid = (lo + hi) / 2
+        found = cuts_within(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    t, x = figures(best)
+    if best == old or one_f_one_b_estimate(t, x, B) >= before * (1 - 1e-9):
+        return None
+    new = tuple(
+        dataclasses.replace(st, layers=(best[i], best[i + 1]), time=t[i] + (x[i] if i < S - 1 else 0.0))
+        for i, st in enumerate(stages)
+    )
+    t = [st.time for st in new]
+    return dataclasses.replace(inter, stages=new, total_time=pipeline_latency(t, B), t_max=max(t))
 
 
 MEMORY_SAVING_METHODS = ("megatron", "zero3")

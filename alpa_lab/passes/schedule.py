@@ -54,6 +54,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from alpa_lab.plan.timeline import Timeline, TimelineRecord  # data a PipelinePlan keeps: defined below the passes
 
 __all__ = [
@@ -76,6 +78,8 @@ __all__ = [
     "interleaved_one_f_one_b",
     "make_schedule",
     "one_f_one_b",
+    "one_f_one_b_estimate",
+    "one_f_one_b_windows",
     "simulate",
     "zb_h1",
 ]
@@ -425,6 +429,35 @@ def _per_stage(value: float | Sequence[float], num_stages: int, label: str) -> t
     return values
 
 
+def one_f_one_b_windows(stage_times: Sequence[float], transfer_times: Sequence[float]) -> np.ndarray:
+    """The period each window of stages i..j imposes on 1F1B at steady state.
+
+    Stages i..j hold j - i + 1 micro-batches between them, and each must go through their
+    forwards and backwards and over their boundaries twice (activation out, gradient back):
+    (sum t_i + 2 sum c_b) / (j - i + 1), for every i <= j (one stage alone: its t_i).
+    """
+    t = np.asarray(stage_times, dtype=float)
+    c = np.asarray(transfer_times, dtype=float)
+    if len(c) != len(t) - 1:
+        raise ValueError(f"{len(c)} transfer times for the {len(t) - 1} boundaries of {len(t)} stages")
+    T = np.concatenate([[0.0], np.cumsum(t)])
+    C = np.concatenate([[0.0], np.cumsum(c)])  # C[j] - C[i]: boundaries i..j-1, inside stages i..j
+    i, j = np.triu_indices(len(t))
+    return (T[j + 1] - T[i] + 2 * (C[j] - C[i])) / (j - i + 1)
+
+
+def one_f_one_b_estimate(stage_times: Sequence[float], transfer_times: Sequence[float], num_microbatches: int) -> float:
+    """1F1B's makespan without simulating it: B - 1 periods (the slowest window's,
+    ``one_f_one_b_windows``), then one micro-batch's trip through every stage and boundary.
+
+    An estimate of ``simulate``, not a bound: within a few percent once B >= 8 S
+    (``tests/test_schedule.py``), too high with few micro-batches (the fill dominates).
+    Microseconds for 64 stages, so a search can call it where the simulation (O(S B)) is too slow.
+    """
+    period = float(one_f_one_b_windows(stage_times, transfer_times).max())
+    return (num_microbatches - 1) * period + float(sum(stage_times)) + 2 * float(sum(transfer_times))
+
+
 def _where(schedule: Schedule, mesh: int) -> str:
     """How messages name a program: by stage when each mesh runs one stage, else by mesh."""
     return f"mesh {mesh}" if schedule.mesh_of_stage else f"stage {mesh}"
@@ -434,7 +467,7 @@ def simulate(
     schedule: Schedule,
     forward_time: float | Sequence[float] = 1.0,
     backward_time: float | Sequence[float] = 2.0,
-    transfer_time: float = 0.0,
+    transfer_time: float | Sequence[float] = 0.0,
     weight_time: float | Sequence[float] | None = None,
 ) -> Timeline:
     """Run every mesh's list in order, each instruction as soon as its inputs exist.
@@ -442,7 +475,8 @@ def simulate(
     A RUN forward needs stage s - 1's activation: RECV'd from another mesh, or that
     stage's RUN on the same mesh. A RUN backward (fused, or B) needs its own forward and
     stage s + 1's gradient, likewise; a W needs its own B. A RECV completes when the
-    peer's matching SEND has executed plus ``transfer_time``. SENDs are non-blocking.
+    peer's matching SEND has executed plus ``transfer_time`` (one time, or one per boundary
+    between stages b and b + 1: a link inside a host is faster than one between hosts). SENDs are non-blocking.
     There is no contention other than each mesh being sequential (across all its
     stages), so computing each instruction's time by fixpoint over the meshes is exact. If
     no mesh can advance while some still have instructions left, the schedule deadlocks
@@ -468,7 +502,12 @@ def simulate(
         w_time = _per_stage(weight_time, S, "weight_time")
         fused = tuple(b + w for b, w in zip(bt, w_time, strict=True))
     duration = {FORWARD: ft, BACKWARD: fused, BACKWARD_INPUT: b_time, BACKWARD_WEIGHT: w_time}
-    if not math.isfinite(transfer_time) or transfer_time < 0:
+    if isinstance(transfer_time, (int, float)):  # one time for every boundary, or one per boundary
+        transfer_time = (transfer_time,) * max(S - 1, 0)
+    link = tuple(float(t) for t in transfer_time)
+    if len(link) != max(S - 1, 0):
+        raise ValueError(f"transfer_time has {len(link)} entries for the {max(S - 1, 0)} boundaries of {S} stages")
+    if any(not math.isfinite(t) or t < 0 for t in link):
         raise ValueError(f"transfer_time must be finite and >= 0, got {transfer_time}")
     mesh_of = [schedule.mesh(s) for s in range(S)]
 
@@ -544,7 +583,7 @@ def simulate(
                 else:
                     end = start
                     if ins.kind == "SEND":
-                        sent[(s, ins.peer, ins.phase, ins.microbatch)] = start + transfer_time
+                        sent[(s, ins.peer, ins.phase, ins.microbatch)] = start + link[min(s, ins.peer)]
                     elif ins.kind == "RECV":
                         received[key] = start
                     else:
@@ -575,7 +614,8 @@ def simulate(
         peak_unfreed=tuple(peak_unfreed),
         mesh_bubble_fractions=tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy),
         mesh_peak_unfreed=tuple(mesh_peak_unfreed),
-        transfer_time=transfer_time,
+        transfer_time=max(link, default=0.0),
+        transfer_times=link,
     )
 
 

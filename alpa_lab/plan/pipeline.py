@@ -430,6 +430,7 @@ def _timeline(d: Any, where: str) -> Timeline:
         Timeline, d, where,
         {
             "records": records, "makespan": _number, "bubble_fraction": _number, "transfer_time": _number,
+            "transfer_times": _array(_number),
             "peak_in_flight": _array(_integer), "mesh_peak_in_flight": _array(_integer),
             "peak_unfreed": _array(_integer), "mesh_peak_unfreed": _array(_integer),
             "mesh_bubble_fractions": _array(_number),

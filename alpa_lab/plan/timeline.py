@@ -53,7 +53,14 @@ class Timeline:
     mesh_bubble_fractions: tuple[float, ...] = ()
     mesh_peak_unfreed: tuple[int, ...] = ()
     transfer_time: float = 0.0
-    """seconds each cross-mesh SEND takes to arrive (the simulation's one transfer time)."""
+    """seconds the slowest cross-mesh SEND takes to arrive (every SEND's, in a plan made before ``transfer_times``)."""
+    transfer_times: tuple[float, ...] = ()
+    """per boundary b (between stages b and b + 1, both directions), seconds its SENDs take to arrive:
+    a boundary inside a host is faster than one between hosts."""
+
+    def link_time(self, boundary: int) -> float:
+        """Seconds a SEND across ``boundary`` (stage b to b + 1 or back) takes to arrive."""
+        return self.transfer_times[boundary] if self.transfer_times else self.transfer_time
 
     def run(self, stage: int, phase: str, microbatch: int) -> TimelineRecord:
         """The RUN record of (stage, phase, micro-batch)."""
