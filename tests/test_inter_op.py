@@ -15,6 +15,7 @@ from alpa_lab.passes.inter_op import (
     brute_force_stages,
     logical_shapes,
     stage_dp,
+    stage_dp_uniform,
 )
 from alpa_lab.passes.submesh import submesh_shapes
 
@@ -660,3 +661,40 @@ def test_counting_devices_in_units_of_the_smallest_feasible_sub_meshes_keeps_the
         assert plan is not None and plan.total_time == pytest.approx(ref, rel=1e-12)
         check_plan(plan, L, N, M, B)
     assert {1, 2, 4} <= units
+
+
+def test_uniform_optima_match_brute_force_over_one_shape():
+    """stage_dp_uniform's plan for each sub-mesh shape is brute force's optimum over the plans
+    whose stages all take that shape (the cost of every other shape hidden), with memory limits;
+    shapes it leaves out have no such plan."""
+    rng = random.Random(11_2023)
+    outcomes: Counter = Counter()
+    for trial in range(60):
+        L = rng.randint(1, 5)
+        N, M = rng.choice(CLUSTERS)
+        B = rng.randint(1, 6)
+        base = random_cost(rng, p_none=0.2) if trial % 2 else structured_cost(rng, L, mem_cap=rng.choice([None, 8.0]))
+        cost = with_limits(rng, base, B)
+        rule = rng.choice([one_f_one_b(B), gpipe(B), eager_one_f_one_b(B)])
+        space = rng.choice(["all", "power_of_two"])
+        found = stage_dp_uniform(L, N, M, B, cost, in_flight=rule, submesh_space=space)
+        for shape in submesh_shapes(N, M, space):
+
+            def only(start, end, s, logical, shape=shape):
+                return cost(start, end, s, logical) if s == shape else None
+
+            try:
+                ref = brute_force_stages(L, N, M, B, only, in_flight=rule, submesh_space=space)
+            except InterOpError:
+                ref = None
+            if ref is None:
+                assert shape not in found, (trial, shape)
+                continue
+            plan = found[shape]
+            outcomes["shape planned"] += 1
+            outcomes["several stages"] += plan.num_stages > 1
+            assert {st.submesh_shape for st in plan.stages} == {shape}
+            assert plan.total_time == pytest.approx(ref, rel=1e-9), (trial, shape)
+            check_plan(plan, L, N, M, B)
+            check_positions(plan, cost, rule)
+    assert outcomes["shape planned"] >= 40 and outcomes["several stages"] >= 15, outcomes

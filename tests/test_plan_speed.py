@@ -397,3 +397,53 @@ def test_a_power_of_two_space_plans_on_power_of_two_sub_meshes_and_re_plans_keep
     assert {st.submesh_shape for st in again.stages} <= allowed
     with pytest.raises(ValueError, match="unknown sub-mesh space 'pow2'; choose one of all, power_of_two"):
         al.parallelize(ex.train_step, cluster=cluster, microbatches=4, submesh_space="pow2")
+
+
+def test_rebalancing_finds_the_lowest_1f1b_period_of_the_placed_stages_by_brute_force():
+    """``_rebalanced`` moves a candidate's boundaries (its sub-meshes, devices, logical meshes and layouts
+    kept) to the slicing whose 1F1B period (``one_f_one_b_windows``, each boundary on its placed link) is
+    lowest: the same minimum as trying every slicing that fits memory, within the bisection's 1e-6."""
+    import itertools
+
+    from alpa_lab.passes.pipeline import _fits, _rebalanced, in_flight_rule
+    from alpa_lab.passes.schedule import one_f_one_b_windows
+
+    ex = tiny_example("gpt")
+    cluster = dataclasses.replace(al.ClusterSpec.local(2, 4), inter_host_bandwidth=2e6)  # a slow hop between hosts
+    step = al.parallelize(ex.train_step, cluster=cluster, microbatches=8, layers=6)
+    problem, _, _ = plan_pipeline(step.trace(*ex.args), cluster, num_microbatches=8, screen_candidates=False)
+    L, rule, c = problem.slicing.num_layers, in_flight_rule("1f1b", 8), problem.cluster
+    checked = moved = 0
+    for cand, _, _ in problem.candidates:
+        S = cand.num_stages
+        if S < 2:
+            continue
+        hosts = [{d // c.devices_per_host for d in st.device_ids} for st in cand.stages]
+
+        def period(cuts):
+            t, x = [], []
+            for i, st in enumerate(cand.stages):
+                cost = problem.stage_cost(cuts[i], cuts[i + 1], st.submesh_shape, st.logical_shape, st.variant or "alpa")
+                fits = None if cost is None else _fits(cost, c.device_memory)
+                if cost is None or fits == 0 or (fits is not None and fits < rule(S - i)):
+                    return np.inf
+                t.append(cost.time)
+                if i < S - 1:
+                    nbytes = problem.exchanged_bytes(cuts[i], cuts[i + 1])
+                    bw = c.intra_host_bandwidth if hosts[i] == hosts[i + 1] else c.inter_host_bandwidth
+                    x.append(nbytes / bw + (c.transfer_overhead if nbytes else 0.0))
+            return float(one_f_one_b_windows(t, x).max())
+
+        best = min(period((0, *cuts, L)) for cuts in itertools.combinations(range(1, L), S - 1))
+        before = period([st.layers[0] for st in cand.stages] + [L])
+        found = _rebalanced(problem, cand, rule, "alpa")
+        checked += 1
+        if found is None:  # nothing lower to move to
+            assert before <= best * (1 + 1e-5), (cand, before, best)
+            continue
+        moved += 1
+        assert [st.submesh_shape for st in found.stages] == [st.submesh_shape for st in cand.stages]
+        assert [st.device_ids for st in found.stages] == [st.device_ids for st in cand.stages]
+        assert period([st.layers[0] for st in found.stages] + [L]) == pytest.approx(best, rel=1e-5)
+        assert best < before
+    assert checked >= 3 and moved >= 1, (checked, moved)

@@ -670,6 +670,38 @@ def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, 
     return timeline.makespan
 
 
+def quick_bounds(problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str = "alpa") -> tuple[float, float]:
+    """A DP candidate's (floor, estimate) of its planned step from its layers' costs, without a simulation.
+
+    Floor: stage i runs B forwards and B backwards one after another, the first cannot start
+    before micro-batch 0 came through stages 0..i - 1, and the step ends after the last
+    gradient went back through them: max_i sum_{j<i} (F_j + B_j + 2 c_j) + B t_i, with each
+    boundary's per-micro-batch bytes (``exchanged_bytes``, at most what ``boundary_parts`` counts)
+    on its placed link; below ``estimated_step`` (which simulates the same costs). Estimate: for
+    1F1B ``one_f_one_b_estimate``, else the floor. (0, 0) where nothing bounds the step: a split
+    backward (its weight gradients need not wait), or a stage with no cost.
+    """
+    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
+    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)
+    costs = [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
+    if sched.split_backward or sched.num_meshes != len(stages) or any(c is None for c in costs):
+        return 0.0, 0.0
+    c, B = problem.cluster, inter.num_microbatches
+    links = []
+    for a, b in zip(inter.stages, inter.stages[1:]):
+        nbytes = problem.exchanged_bytes(*a.layers)
+        same = {d // c.devices_per_host for d in a.device_ids} == {d // c.devices_per_host for d in b.device_ids}
+        links.append(nbytes / (c.intra_host_bandwidth if same else c.inter_host_bandwidth))
+    t = [x.time for x in costs]
+    floor, before = 0.0, 0.0
+    for i, x in enumerate(costs):
+        floor = max(floor, before + B * x.time)
+        if i < len(links):
+            before += x.time + 2 * links[i]
+    estimate = one_f_one_b_estimate(t, links, B) if schedule == "1f1b" else floor
+    return floor, estimate
+
+
 def boundary_parts(problem: PipelineProblem, stages: Sequence[StageResult]) -> list[CostParts]:
     """Per boundary i (stage i to i + 1): the heavier direction's transfer per micro-batch, as cost terms.
 
@@ -826,28 +858,29 @@ def plan_pipeline(
         except InterOpError:  # e.g. eq. 2's optimum cannot be placed: not a candidate
             plain = None
         if plain is not None:
-            seen = {_slicing(c) for c in candidates}
-            for cand in [plain] + _fewer_stage_optima(problem, plain, num_microbatches, max_stages, plain_cost, rule, plain_table):
-                if _slicing(cand) not in seen:
-                    seen.add(_slicing(cand))
-                    candidates.append(cand)
+            candidates += [plain] + _fewer_stage_optima(problem, plain, num_microbatches, max_stages, plain_cost, rule, plain_table)
+    candidates = _distinct(candidates)
     if schedule == "1f1b":  # each candidate's boundaries, moved to where its placed links cost least (_rebalanced)
-        candidates += [r for c in candidates if (r := _rebalanced(problem, c, rule, method)) is not None]
-    seen: set = set()
-    candidates = [c for c in candidates if not (_slicing(c) in seen or seen.add(_slicing(c)))]
+        candidates = _distinct(candidates + [r for c in candidates if (r := _rebalanced(problem, c, rule, method)) is not None])
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
-    # cheapest estimate first; a candidate whose floor (``estimated_step``) is above the best planned step
-    # is not planned (the measured profile replaces the costs the floor is made of: then plan every one)
+    # likeliest first (``quick_bounds``' estimate); a candidate whose floor is above the best planned step
+    # is not planned: first its quick bound, then ``estimated_step`` (a simulation) where that one does not
+    # decide (the measured profile replaces the costs the floors are made of: then plan every one)
     screen = screen_candidates and problem.stage_timer is None
-    floors = [estimated_step(problem, c, schedule, method) if screen else 0.0 for c in candidates]
+    quick = [quick_bounds(problem, c, schedule, method) if screen else (0.0, 0.0) for c in candidates]
+    floors = [lower for lower, _ in quick]
     best, refused = None, None
     steps: list[float | None] = [None] * len(candidates)
-    for i in sorted(range(len(candidates)), key=lambda i: floors[i]):
+    for i in sorted(range(len(candidates)), key=lambda i: (quick[i][1], i)):
         cand = candidates[i]
-        if best is not None and (floors[i], i) > (best[0], best[1]):
-            continue
+        if best is not None and screen:
+            if (floors[i], i) > (best[0], best[1]):
+                continue
+            floors[i] = max(floors[i], estimated_step(problem, cand, schedule, method))
+            if (floors[i], i) > (best[0], best[1]):
+                continue
         _remember_variants(problem, cand, method)
         stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in cand.stages]
         results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
@@ -871,6 +904,16 @@ def plan_pipeline(
 def _slicing(inter: InterOpPlan) -> tuple:
     """What a candidate plans: its stages' layers, meshes, devices and layouts (not the DP's times)."""
     return tuple((st.layers, st.submesh_shape, st.logical_shape, st.device_ids, st.variant) for st in inter.stages)
+
+
+def _distinct(candidates: Sequence[InterOpPlan]) -> list[InterOpPlan]:
+    """Each slicing once (``_slicing``), the first kept, in order."""
+    out, seen = [], set()
+    for c in candidates:
+        if _slicing(c) not in seen:
+            seen.add(_slicing(c))
+            out.append(c)
+    return out
 
 
 def _remember_variants(problem: PipelineProblem, inter: InterOpPlan, method: str) -> None:
