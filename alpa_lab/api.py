@@ -202,6 +202,7 @@ class ParallelizedStep:
             planning_seconds={"trace": traced, **problem.seconds},
             problem=problem,
             max_stages=self.max_stages,
+            submesh_space=self.submesh_space,
         )
         if pins:
             plan = plan._replan(plan._current_stages(), pins, False)

@@ -395,6 +395,13 @@ def test_a_power_of_two_space_plans_on_power_of_two_sub_meshes_and_re_plans_keep
     assert {st.submesh_shape for st in plan.stages} <= allowed
     again = plan.pin_stages([[0, 2]], submeshes=[(3, 1)]).unpin_stages()
     assert {st.submesh_shape for st in again.stages} <= allowed
+    # the plan carries its space: loaded into a step made with the default space ("all"), it re-plans in its own
+    loaded = al.PipelinePlan.from_json(plan.pin_stages([[0, 2]], submeshes=[(3, 1)]).to_json())
+    assert loaded.submesh_space == "power_of_two"
+    other = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=3)
+    unpinned = other.use(loaded, *ex.args).unpin_stages()
+    assert unpinned.submesh_space == "power_of_two" and {st.submesh_shape for st in unpinned.stages} <= allowed
+    assert {st.submesh_shape for st in other.plan(*ex.args).stages} == {(3, 1)}  # that step's own space is "all"
     with pytest.raises(ValueError, match="unknown sub-mesh space 'pow2'; choose one of all, power_of_two"):
         al.parallelize(ex.train_step, cluster=cluster, microbatches=4, submesh_space="pow2")
 

@@ -341,7 +341,7 @@ class PipelineProblem:
         _, stages, _ = plan_pipeline(
             self.graph, cluster, num_microbatches=plan.num_microbatches,
             schedule="1f1b" if interleaved else plan.schedule, method=plan.method, max_stages=plan.max_stages,
-            problem=self, logical_meshes=self.logical_meshes, submesh_space=self.submesh_space,
+            problem=self, logical_meshes=self.logical_meshes, submesh_space=plan.submesh_space,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
         if interleaved:
@@ -361,7 +361,7 @@ class PipelineProblem:
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
         new.stage_timer = self.stage_timer
-        new.logical_meshes, new.submesh_space = self.logical_meshes, self.submesh_space
+        new.logical_meshes, new.submesh_space = self.logical_meshes, plan.submesh_space
         if plan.stage_pins:
             # the user fixed the stages: keep them as planned (chunks of an interleaved plan share
             # meshes, which fixed_stages would place apart), and each stage's layout (memory-saving or not)

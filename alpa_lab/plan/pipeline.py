@@ -131,6 +131,8 @@ class PipelinePlan:
     max_stages: int | None = None
     """the stage DP's bound this plan was solved with (``parallelize(max_stages=)``): saved, so that a
     re-solve (``unpin_stages``, ``recalibrated``) searches the same space."""
+    submesh_space: str = "all"
+    """the stage DP's sub-mesh shapes (``parallelize(submesh_space=)``): saved for the same reason."""
 
     @property
     def num_stages(self) -> int:
@@ -472,7 +474,7 @@ def _pipeline_plan_from_dict(d: dict) -> PipelinePlan:
             "fingerprint": _text, "method": _text, "cluster": _cluster, "num_microbatches": _integer,
             "schedule": _text, "num_layers": _integer, "stages": _stages, "timeline": _timeline,
             "split_inputs": _array(_text), "stage_pins": _flag, "planning_seconds": _seconds,
-            "schema_version": _integer, "max_stages": _optional(_integer),
+            "schema_version": _integer, "max_stages": _optional(_integer), "submesh_space": _text,
         },
     )
     if plan.schedule not in SCHEDULE_NAMES:
