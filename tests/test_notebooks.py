@@ -38,7 +38,7 @@ EXPECT = {
     "03_moe.ipynb": ["MoEFFN_0", "egcm,emh->egch", "reshardings by all-to-all", "all-to-all", "expert parallel"],
     "04_wide_resnet.ipynb": ["2 stages", "ResidualBlock_0/Conv_0", "in flight", "capacity", "running statistics = mean"],
     "05_editing_a_plan.ipynb": [
-        "pinned: dot_general", "cannot hold together", "after two undos, pins: ()", "stages -> 2 stages",
+        "pinned: dot_general", "cannot hold together", "after two undos, pins: ()", "-> layers 0..1 on (1, 4)",
         "pin_stages with a gap: False",
     ],
 }

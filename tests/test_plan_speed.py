@@ -454,3 +454,30 @@ def test_rebalancing_finds_the_lowest_1f1b_period_of_the_placed_stages_by_brute_
         assert period([st.layers[0] for st in found.stages] + [L]) == pytest.approx(best, rel=1e-5)
         assert best < before
     assert checked >= 3 and moved >= 1, (checked, moved)
+
+
+def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(monkeypatch):
+    """``prefetch_layer_costs`` runs the layer ILPs of two meshes at once (threads; CBC in subprocesses): every
+    cost equals ``layer_cost``'s own solve on a fresh problem, and the plan equals the plan made without it."""
+    from alpa_lab.passes.inter_op import logical_shapes
+    from alpa_lab.passes.submesh import submesh_shapes
+
+    ex = tiny_example("gpt")
+    cluster = al.ClusterSpec.local(2, 4)
+    step = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4)
+    graph = step.trace(*ex.args)
+    meshes = [(s, lg) for s in submesh_shapes(2, 4) for lg in logical_shapes(s)]
+    threaded = PipelineProblem.build(graph, cluster)
+    threaded.prefetch_layer_costs(meshes, "alpa", lambda submesh, logical: ("megatron", "zero3") if submesh[0] == 1 else ())
+    one_by_one = PipelineProblem.build(graph, cluster)
+    assert len(threaded.layer_costs) == len(meshes) * len(set(threaded.layer_keys)) + sum(
+        2 * len(set(threaded.layer_keys)) for s, _ in meshes if s[0] == 1)
+    for (key, submesh, logical, method), cost in threaded.layer_costs.items():
+        layer = threaded.layer_keys.index(key)
+        assert one_by_one.layer_cost(layer, submesh, logical, method) == cost, (layer, submesh, logical, method)
+    _, with_prefetch, timeline = plan_pipeline(graph, cluster, num_microbatches=4)
+    monkeypatch.setattr(PipelineProblem, "prefetch_layer_costs", lambda *a, **k: None)
+    _, without, timeline_without = plan_pipeline(graph, cluster, num_microbatches=4)
+    assert [(st.layers, st.device_ids, st.logical_shape, st.plan.method) for st in with_prefetch] == [
+        (st.layers, st.device_ids, st.logical_shape, st.plan.method) for st in without]
+    assert timeline.makespan == timeline_without.makespan

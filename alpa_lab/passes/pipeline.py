@@ -25,6 +25,7 @@ import dataclasses
 import math
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from dataclasses import dataclass, field
@@ -293,6 +294,41 @@ class PipelineProblem:
         if self.send_bytes is None:
             self.send_bytes = _send_bytes(self.graph, self.slicing, self.consumers or self.graph.consumers())
         return float(self.send_bytes[start, end])
+
+    def prefetch_layer_costs(
+        self, meshes: Sequence[tuple[Shape, Shape]], method: str, more: Callable[[Shape, Shape], Sequence[str]],
+        workers: int = 2, report: Callable[[], None] | None = None,
+    ) -> None:
+        """Solve the layer ILPs the DP will ask for, ``workers`` meshes at a time: each ILP runs in a CBC
+        subprocess, so one mesh's CBC overlaps another's Python (its strategy graphs, the reductions).
+
+        Per mesh: every distinct layer in ``method``, then in ``more(submesh, logical)`` (the layouts
+        the DP will also ask for there, which need ``method``'s costs to know) while that mesh's
+        layer graphs are still kept. Each solve is the one ``layer_cost`` would make, stored under its key.
+        ``report`` is called (in this thread) as each mesh is done.
+        """
+        reps = {self.layer_keys[lay]: lay for lay in reversed(range(self.slicing.num_layers))}  # first of each kind
+        todo = [m for m in meshes if any((k, *m, method) not in self.layer_costs for k in reps)]
+        if workers < 2 or len(todo) < 2:
+            return
+
+        def solve(mesh: tuple[Shape, Shape], how: str) -> None:
+            for k, lay in reps.items():
+                if (k, *mesh, how) not in self.layer_costs:
+                    self.layer_costs[(k, *mesh, how)] = self._solve_layer(lay, *mesh, how)
+
+        def work(mesh: tuple[Shape, Shape]) -> None:
+            solve(mesh, method)
+            for how in more(*mesh):
+                solve(mesh, how)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for done in as_completed([pool.submit(work, m) for m in todo]):
+                done.result()
+                if report is not None:
+                    report()
+        self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
 
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
         """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
@@ -820,18 +856,34 @@ def plan_pipeline(
         # the stage's outgoing cross-mesh transfer, per micro-batch, is on its critical path (issue 11 part 3)
         send = problem.send_seconds(start, end, submesh) if transfers else 0.0
         options = [StageCost(fast.time + send, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
-        # where the fastest plan (often replicated weights) may not hold the micro-batches of
-        # the earliest position this stage can take, offer the DP memory-saving layouts too
-        need = rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
-        if method == "alpa" and _fits(fast, memory) is not None and _fits(fast, memory) < need:
+        if wants_savers(start, submesh, fast):
             for saver in MEMORY_SAVING_METHODS:
                 alt = problem.stage_cost(start, end, submesh, logical, saver)
                 if alt is not None:
                     options.append(StageCost(alt.time + send, alt.weight_memory + alt.activation_memory, _fits(alt, memory), saver))
         return options
 
+    def wants_savers(start: int, submesh: Shape, fast: LayerCost) -> bool:
+        """Where the fastest plan (often replicated weights) may not hold the micro-batches of the
+        earliest position this stage can take, the DP is offered the memory-saving layouts too."""
+        need = rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
+        return method == "alpa" and _fits(fast, memory) is not None and _fits(fast, memory) < need
+
+    def savers_on(submesh: Shape, logical: Shape) -> tuple[str, ...]:
+        """The layouts ``cost`` will ask for on this mesh besides ``method`` (longest stages first: they fail first)."""
+        L = problem.slicing.num_layers
+        for start in range(L):
+            for end in range(L, start, -1):
+                fast = problem.stage_cost(start, end, submesh, logical, method)
+                if fast is not None and wants_savers(start, submesh, fast):
+                    return MEMORY_SAVING_METHODS
+        return ()
+
     rule = in_flight_rule(schedule, num_microbatches)
     profiled: dict = {}  # the DP's table of stage costs, profiled once for every stage-count cap
+    meshes = [(shape, lg) for shape in submesh_shapes(N, M, submesh_space) for lg in logical_shapes(shape)
+              if not (logical_meshes == "single_node_model_parallel" and M % lg[1])]
+    problem.prefetch_layer_costs(meshes, method, savers_on, report=report)
 
     if progress:
         progress(f"stage DP: {problem.slicing.num_layers} layers on {N}x{M} devices")
