@@ -722,12 +722,8 @@ def quick_bounds(problem: PipelineProblem, inter: InterOpPlan, schedule: str, me
     costs = [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
     if sched.split_backward or sched.num_meshes != len(stages) or any(c is None for c in costs):
         return 0.0, 0.0
-    c, B = problem.cluster, inter.num_microbatches
-    links = []
-    for a, b in zip(inter.stages, inter.stages[1:]):
-        nbytes = problem.exchanged_bytes(*a.layers)
-        same = {d // c.devices_per_host for d in a.device_ids} == {d // c.devices_per_host for d in b.device_ids}
-        links.append(nbytes / (c.intra_host_bandwidth if same else c.inter_host_bandwidth))
+    B = inter.num_microbatches
+    links = [problem.exchanged_bytes(*st.layers) / bw for st, bw in zip(inter.stages, link_bandwidths(problem.cluster, inter.stages))]
     t = [x.time for x in costs]
     floor, before = 0.0, 0.0
     for i, x in enumerate(costs):
@@ -763,16 +759,18 @@ def boundary_parts(problem: PipelineProblem, stages: Sequence[StageResult]) -> l
                 forward[src] += graph.vars[v].nbytes
             elif src > dst:
                 backward[dst] += graph.vars[v].nbytes
-    c = problem.cluster
     out = []
-    for i in range(len(stages) - 1):
-        same_host = {d // c.devices_per_host for d in stages[i].device_ids} == {
-            d // c.devices_per_host for d in stages[i + 1].device_ids
-        }
-        bw = c.intra_host_bandwidth if same_host else c.inter_host_bandwidth
+    for i, bw in enumerate(link_bandwidths(problem.cluster, stages)):
         crossing = max(forward[i], backward[i])
         out.append(CostParts(communication=crossing / bw, transfers=1.0 if crossing else 0.0))
     return out
+
+
+def link_bandwidths(cluster: ClusterSpec, stages: Sequence[Any]) -> list[float]:
+    """Per boundary i (placed stage i to i + 1): the link between them, inside a host (its stages' devices
+    on the same hosts) or between hosts."""
+    hosts = [{d // cluster.devices_per_host for d in st.device_ids} for st in stages]
+    return [cluster.intra_host_bandwidth if a == b else cluster.inter_host_bandwidth for a, b in zip(hosts, hosts[1:])]
 
 
 def _measured(times: Mapping[tuple[int, str], float], stages: Sequence[StageResult], split: bool) -> list[StageResult]:
@@ -1030,7 +1028,7 @@ def _rebalanced(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[in
         return None
     c = problem.cluster
     memory, B = c.device_memory, inter.num_microbatches
-    hosts = [{d // c.devices_per_host for d in st.device_ids} for st in stages]
+    bandwidth = link_bandwidths(c, stages)
     problem.exchanged_bytes(0, 1)  # the table of bytes per (start, end)
     nbytes = problem.send_bytes
     ranges = np.arange(L + 1)[:, None] < np.arange(L + 1)[None, :]  # [start, end): start < end
@@ -1043,8 +1041,7 @@ def _rebalanced(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[in
         ok = ranges & (bad[None, :] == bad[:, None]) & (weight <= memory) & (held >= rule(S - k))
         times.append(np.where(ok, (f + b)[None, :] - (f + b)[:, None], np.inf))
         if k < S - 1:
-            bw = c.intra_host_bandwidth if hosts[k] == hosts[k + 1] else c.inter_host_bandwidth
-            links.append(nbytes / bw + np.where(nbytes > 0, c.transfer_overhead, 0.0))
+            links.append(nbytes / bandwidth[k] + np.where(nbytes > 0, c.transfer_overhead, 0.0))
 
     def cuts_within(P: float) -> list[int] | None:
         """Boundaries with every window's period <= P, or None."""
