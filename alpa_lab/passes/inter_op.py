@@ -560,17 +560,19 @@ def stage_dp(
     return _placed(chosen, N, M, B)
 
 
+def _limits_bind(table: dict[tuple[int, int, Shape], _Options], needs: list[int] | None) -> bool:
+    """Whether memory limits bind: some (range, sub-mesh)'s fastest option cannot be used at every
+    position, so the per-position tables differ and the stage count matters."""
+    return needs is not None and any(not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values())
+
+
 def _optimum(
     table: dict[tuple[int, int, Shape], _Options], L: int, D: int, B: int, S: int, needs: list[int] | None
 ) -> tuple[_Dense, bool, list[int] | None, _Search]:
     """Eq. 4's search over ``table``: its dense form, whether memory limits bind, the needs the
     search used (None where they do not bind) and the search's result."""
     dense = _Dense(table, L, D)
-    # the limits bind when some (range, sub-mesh)'s fastest option cannot be used at every
-    # position: then the per-position tables differ and the stage count matters
-    binds = needs is not None and any(
-        not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values()
-    )
+    binds = _limits_bind(table, needs)
     if binds:
         assert needs is not None
         return dense, True, needs, _search_per_position(dense, table, B, S, needs)
@@ -669,7 +671,7 @@ def stage_dp_capped(
     dense = _Dense(table, L, D)
     if not dense.sizes:
         return {}
-    binds = needs is not None and any(not _fits(opts.options[0].max_in_flight, max(needs)) for opts in table.values())
+    binds = _limits_bind(table, needs)
     if binds:
         assert needs is not None
         tables = _per_position(dense, needs, S)

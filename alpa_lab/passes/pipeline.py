@@ -291,9 +291,13 @@ class PipelineProblem:
     def exchanged_bytes(self, start: int, end: int) -> float:
         """Per micro-batch, the heavier direction of what the stage of layers [start, end) exchanges
         with later stages (``_send_bytes``)."""
+        return float(self.exchanged_bytes_table()[start, end])
+
+    def exchanged_bytes_table(self) -> np.ndarray:
+        """``exchanged_bytes`` for every [start, end], made once."""
         if self.send_bytes is None:
             self.send_bytes = _send_bytes(self.graph, self.slicing, self.consumers or self.graph.consumers())
-        return float(self.send_bytes[start, end])
+        return self.send_bytes
 
     def prefetch_layer_costs(
         self, meshes: Sequence[tuple[Shape, Shape]], method: str, more: Callable[[Shape, Shape], Sequence[str]],
@@ -682,6 +686,15 @@ def _checked_schedule(
     return sched, report
 
 
+def _candidate_costs(
+    problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str
+) -> tuple[Schedule, list[LayerCost | None]]:
+    """A DP candidate's schedule (unchecked: the check is for planned candidates) and its stages' layer costs."""
+    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
+    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)
+    return sched, [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
+
+
 def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str = "alpa") -> float:
     """A DP candidate's simulated step before its stages are planned: the schedule simulated with each
     stage's forward and backward from its layers' costs (the DP's), and the placed boundary transfers.
@@ -692,9 +705,7 @@ def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, 
     whose floor is already above the best planned step (``tests/test_plan_speed.py`` checks the floor
     against the planned steps, and the screened choice against planning every candidate).
     """
-    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
-    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)
-    costs = [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
+    sched, costs = _candidate_costs(problem, inter, schedule, method)
     if sched.split_backward or any(c is None for c in costs):
         return 0.0  # a split backward's weight gradients fill bubbles: the layers' backward is no floor; plan it
     timeline = simulate(
@@ -717,10 +728,8 @@ def quick_bounds(problem: PipelineProblem, inter: InterOpPlan, schedule: str, me
     1F1B ``one_f_one_b_estimate``, else the floor. (0, 0) where nothing bounds the step: a split
     backward (its weight gradients need not wait), or a stage with no cost.
     """
-    stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
-    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)
-    costs = [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
-    if sched.split_backward or sched.num_meshes != len(stages) or any(c is None for c in costs):
+    sched, costs = _candidate_costs(problem, inter, schedule, method)
+    if sched.split_backward or sched.num_meshes != inter.num_stages or any(c is None for c in costs):
         return 0.0, 0.0
     B = inter.num_microbatches
     links = [problem.exchanged_bytes(*st.layers) / bw for st, bw in zip(inter.stages, link_bandwidths(problem.cluster, inter.stages))]
@@ -1029,8 +1038,7 @@ def _rebalanced(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[in
     c = problem.cluster
     memory, B = c.device_memory, inter.num_microbatches
     bandwidth = link_bandwidths(c, stages)
-    problem.exchanged_bytes(0, 1)  # the table of bytes per (start, end)
-    nbytes = problem.send_bytes
+    nbytes = problem.exchanged_bytes_table()
     ranges = np.arange(L + 1)[:, None] < np.arange(L + 1)[None, :]  # [start, end): start < end
     times, links = [], []
     for k, st in enumerate(stages):
