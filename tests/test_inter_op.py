@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import math
 import random
 from dataclasses import replace as dataclass_replace
 from collections import Counter
@@ -277,7 +279,7 @@ def test_min_over_stages_matches_full_table():
             # only rows up to the last start of a newly allowed option change
             top = max(s for (s, _, _), o in table.items() if o.time == t_max)
             got = solver.solve(allowed, top)
-            F = inter_op._solve_f(dense, allowed, S)
+            F = inter_op._solve_f(dense, t_max, S)
             want = float(F[1:, 0, dense.D].min())  # devices in the table's units
             assert got == want or (math.isinf(got) and math.isinf(want))
         B = rng.randint(1, 9)
@@ -698,3 +700,78 @@ def test_uniform_optima_match_brute_force_over_one_shape():
             check_plan(plan, L, N, M, B)
             check_positions(plan, cost, rule)
     assert outcomes["shape planned"] >= 40 and outcomes["several stages"] >= 15, outcomes
+
+
+def _dense_instance(rng: random.Random):
+    """A profiled table (integer times: ties are common) with random memory limits, its dense form and needs."""
+    from alpa_lab.passes import inter_op
+
+    L = rng.randint(2, 8)
+    N, M = rng.choice(CLUSTERS[1:] + [(2, 8), (4, 2)])
+    B = rng.choice([1, 1, 2, 3, 8])  # few micro-batches: the optimum is often far above the first feasible t_max
+    base = random_cost(rng, rng.choice([0.0, 0.3])) if rng.random() < 0.5 else structured_cost(rng, L, None)
+
+    def cost(start, end, shape, logical):
+        c = base(start, end, shape, logical)
+        return None if c is None else StageCost(float(round(c.time)))
+
+    limited = with_limits(rng, cost, B)
+    table = inter_op._profile(limited, L, submesh_shapes(N, M))
+    dense = inter_op._Dense(table, L, N * M)
+    S = min(L, dense.D)
+    needs = inter_op._in_flight_needs(rng.choice([one_f_one_b(B), gpipe(B), eager_one_f_one_b(B)]), S)
+    if not inter_op._limits_bind(table, needs):
+        needs = None
+    return table, dense, S, B, needs
+
+
+def test_bottleneck_dp_gives_the_first_feasible_t_max_of_every_stage_count():
+    """``_bottlenecks`` (one min-max DP) against scanning the t_max candidates with a full DP each."""
+    from alpa_lab.passes import inter_op
+
+    rng = random.Random(24_11)
+    seen = Counter()
+    for _ in range(60):
+        table, dense, S, B, needs = _dense_instance(rng)
+        if not dense.sizes:
+            continue
+        lowest = inter_op._bottlenecks(dense, S, needs)
+        candidates = inter_op._tmax_candidates(table, needs)
+        for s in range(1, S + 1):
+            scan = next((t for t in candidates if math.isfinite(inter_op._solve_f(dense, t, S, needs)[s, 0, dense.D])), math.inf)
+            assert lowest[s] == scan, (s, lowest, scan)
+            seen["feasible" if math.isfinite(scan) else "infeasible"] += 1
+    assert seen["feasible"] > 40 and seen["infeasible"] > 10, seen
+
+
+def test_branch_and_bound_over_t_max_equals_scanning_every_candidate():
+    """``_least_latency`` skips t_max values by bounds; where it could lose (ties, memory limits, stage caps)
+    it must give the scan's optimum and the scan's (smallest) t_max."""
+    from alpa_lab.passes import inter_op
+
+    rng = random.Random(23_11)
+    seen = Counter()
+    for _ in range(80):
+        table, dense, S, B, needs = _dense_instance(rng)
+        if not dense.sizes:
+            continue
+        candidates = inter_op._tmax_candidates(table, needs)
+        rows = [inter_op._solve_f(dense, t, S, needs)[:, 0, dense.D] for t in candidates]
+        every = inter_op._solve_f(dense, math.inf, S, needs)[:, 0, dense.D]
+        lowest = inter_op._bottlenecks(dense, S, needs)
+        totals: dict = {}
+        for k in sorted(range(1, S + 1), reverse=True):
+            floor = float(every[1 : k + 1].min())
+            if math.isinf(floor):
+                continue
+            first = bisect.bisect_left(candidates, float(lowest[1 : k + 1].min()))
+            scan = min((float(rows[i][1 : k + 1].min()) + (B - 1) * t, i) for i, t in enumerate(candidates))
+            got = inter_op._least_latency(
+                candidates, first, floor, B, k, totals, lambda t, k=k: inter_op._totals(dense, t, k, needs)
+            )
+            assert got == scan, (k, got, scan)
+            seen["ties"] += sum(float(r[1 : k + 1].min()) + (B - 1) * t == scan[0] for r, t in zip(rows, candidates)) > 1
+            seen["compared"] += 1
+        seen["evaluated"] += len(totals)
+        seen["candidates"] += len(candidates)
+    assert seen["compared"] > 100 and seen["ties"] > 5, seen

@@ -33,10 +33,11 @@ Pure functions over a ``stage_cost`` callable; no JAX.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import operator
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -342,25 +343,60 @@ class _Dense:
         self.sizes, self.shift = sizes, shift
         self.L, self.D = L, D
         self._times: dict[int | None, np.ndarray] = {}
+        self._bands: dict[int | None, list] = {}
+        self._options: tuple[np.ndarray, ...] | None = None  # start, end, size index, time, limit, fastest
         self.times = self.times_for(None)
 
     def times_for(self, need: int | None) -> np.ndarray:
-        """Dense times over options eligible where ``need`` micro-batches are in flight."""
+        """Dense times over options eligible where ``need`` micro-batches are in flight: per
+        (range, size), the least time of an eligible option (an ``_Options.best``), as arrays."""
         times = self._times.get(need)
         if times is None:
-            L = self.L
-            times = np.full((L + 1, L + 1, len(self.sizes)), np.inf)
-            for (start, end, shape), opts in self.table.items():
-                j = self.index.get(shape[0] * shape[1])
-                opt = opts.best(need) if j is not None else None
-                if opt is not None and opt.time < times[start, end, j]:
-                    times[start, end, j] = opt.time
+            if self._options is None:
+                rows = [
+                    (start, end, j, opt.time, math.inf if opt.max_in_flight is None else opt.max_in_flight, i == 0)
+                    for (start, end, shape), opts in self.table.items()
+                    if (j := self.index.get(shape[0] * shape[1])) is not None
+                    for i, opt in enumerate(opts.options)
+                ]
+                self._options = tuple(np.array(col) for col in zip(*rows)) if rows else tuple(np.zeros(0) for _ in range(6))
+            start, end, j, time, limit, fastest = self._options
+            keep = fastest if need is None else limit >= need
+            times = np.full((self.L + 1, self.L + 1, len(self.sizes)), np.inf)
+            np.minimum.at(times, (start[keep].astype(int), end[keep].astype(int), j[keep].astype(int)), time[keep])
             self._times[need] = times
         return times
 
     def allowed(self, t_max: float, need: int | None = None) -> np.ndarray:
         times = self.times_for(need)
         return np.where(times <= t_max, times, np.inf)
+
+    def bands(self, need: int | None, t_max: float) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """The finite entries of ``times_for(need)`` that are <= t_max, by (sub-mesh size, width): (size in
+        units, width w, starts k, times t[k, k + w]). Memory limits and t_max keep stages a few layers wide,
+        so these are a thin band of the L x L table (14 layers wide at most for GPT-3 175B's 96) and the DP
+        walks only it. Each band is kept sorted by time, so a t_max takes a prefix (views, no copies)."""
+        bands = self._bands.get(need)
+        if bands is None:
+            table, bands = self.times_for(need), []
+            for j, size in enumerate(self.sizes):
+                t = table[:, :, j]
+                k, e = np.nonzero(np.isfinite(t))
+                w = e - k
+                for width in np.unique(w):
+                    ks = k[w == width]
+                    ts = t[ks, ks + width]
+                    order = np.argsort(ts, kind="stable")
+                    bands.append((size, int(width), ks[order], ts[order]))
+            self._bands[need] = bands
+        if math.isinf(t_max):
+            return bands
+        out = []
+        for size, width, ks, ts in bands:
+            n = int(np.searchsorted(ts, t_max, side="right"))
+            if n:
+                out.append((size, width, ks[:n], ts[:n]))
+        return out
 
 
 def _shifted(row: np.ndarray, shift: np.ndarray) -> np.ndarray:
@@ -401,59 +437,83 @@ class _MinOverStages:
         return float(G[0, -1])
 
 
-def _bands(dense: _Dense, table: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-    """The finite entries of a times table by (sub-mesh size, width): (size in units, width w, starts k,
-    times t[k, k + w]). Memory limits and t_max keep stages a few layers wide, so these are a thin
-    band of the L x L table (14 layers wide at most for GPT-3 175B's 96) and the DP walks only it."""
-    out = []
-    for j, size in enumerate(dense.sizes):
-        t = table[:, :, j]
-        k, e = np.nonzero(np.isfinite(t))
-        if k.size == 0:
-            continue
-        w = e - k
-        for width in np.unique(w):
-            ks = k[w == width]
-            out.append((size, int(width), ks, t[ks, ks + width]))
-    return out
-
-
-def _solve_f(
+def _f_rows(
     dense: _Dense,
-    allowed: np.ndarray | list[np.ndarray | None],
+    t_max: float,
     S: int,
-    stop_at: float | None = None,
-) -> np.ndarray:
-    """F[s, k, d] of eq. 3 for one t_max (numpy over starts and devices, per stage width); inf where infeasible.
-
-    ``allowed`` is one times table used at every position, or a list whose item [s] is the
-    table for the stage at position s (item 0 unused). With ``stop_at``, stops after the
-    first s with F[s, 0, D] == stop_at (the rest is left inf; it is not needed to
-    reconstruct that s). Only finite stage times are combined (``_bands``): an inf term never
-    wins a min, so F is the same as over every (k, end) pair, bit for bit.
-    """
+    needs: list[int] | None = None,
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(s, F[s]) for s = 1..S (``_solve_f``); each row is overwritten after the next one is made, so
+    callers that need only F[s, 0, D] (``_totals``) never hold the whole (S, L, D) table."""
     L, D = dense.L, dense.D
-    per_position = isinstance(allowed, list)
-    F = np.full((S + 1, L + 1, D + 1), np.inf)
-    F[0, L, 0] = 0.0
-    bands: dict[int, list] = {}
+    prev, row = np.full((L + 1, D + 1), np.inf), np.empty((L + 1, D + 1))
+    prev[L, 0] = 0.0 if combine is np.add else -np.inf
+    bands: dict[int | None, list] = {}
     for s in range(1, S + 1):
-        table = allowed[s] if per_position else allowed
-        if id(table) not in bands:
-            bands[id(table)] = _bands(dense, table)
-        prev, row = F[s - 1], F[s]
+        need = None if needs is None else needs[s]
+        if need not in bands:
+            bands[need] = dense.bands(need, t_max)
+        row.fill(np.inf)
         last = L - s + 1  # stage s (counting from the end) ends at k + w <= L - s + 1: s - 1 stages follow
-        for size, width, ks, ts in bands[id(table)]:
+        for size, width, ks, ts in bands[need]:
             keep = ks <= last - width
             if not keep.all():
                 ks, ts = ks[keep], ts[keep]
             if ks.size == 0:
                 continue
-            cand = ts[:, None] + prev[ks + width, : D + 1 - size]
+            cand = combine(ts[:, None], prev[ks + width, : D + 1 - size])
             row[ks, size:] = np.minimum(row[ks, size:], cand)
-        if stop_at is not None and F[s, 0, D] == stop_at:
+        yield s, row
+        prev, row = row, prev
+
+
+def _solve_f(
+    dense: _Dense,
+    t_max: float,
+    S: int,
+    needs: list[int] | None = None,
+    stop_at: float | None = None,
+) -> np.ndarray:
+    """F[s, k, d] of eq. 3 for one t_max (numpy over starts and devices, per stage width); inf where infeasible.
+
+    Position s uses the options eligible for ``needs[s]`` micro-batches in flight (every fastest
+    option when ``needs`` is None), those no slower than ``t_max``. With ``stop_at``, stops after the
+    first s with F[s, 0, D] == stop_at (the rest is left inf; it is not needed to reconstruct that s).
+    Only finite stage times are combined (``_Dense.bands``): an inf term never wins a min, so F is
+    the same as over every (k, end) pair, bit for bit.
+    """
+    F = np.full((S + 1, dense.L + 1, dense.D + 1), np.inf)
+    F[0, dense.L, 0] = 0.0
+    for s, row in _f_rows(dense, t_max, S, needs):
+        F[s] = row
+        if stop_at is not None and row[0, dense.D] == stop_at:
             break
     return F
+
+
+def _totals(
+    dense: _Dense,
+    t_max: float,
+    S: int,
+    needs: list[int] | None = None,
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+) -> np.ndarray:
+    """F[:, 0, D] of ``_solve_f`` (item 0 inf) without the table: what the search over t_max compares."""
+    out = np.full(S + 1, np.inf)
+    for s, row in _f_rows(dense, t_max, S, needs, combine):
+        out[s] = row[0, dense.D]
+    return out
+
+
+def _bottlenecks(dense: _Dense, S: int, needs: list[int] | None) -> np.ndarray:
+    """[s]: the least t_max at which some slicing into s stages covers the cluster (inf: none at any).
+
+    One min-max DP instead of a bisection over t_max whose every probe is a full DP: a slicing is
+    feasible at t_max exactly when its slowest stage is <= t_max, and the slowest stage is one of
+    the option times, so the first feasible candidate is found by ``bisect`` on this value.
+    """
+    return _totals(dense, math.inf, S, needs, combine=np.maximum)
 
 
 def _reconstruct(
@@ -671,48 +731,25 @@ def stage_dp_capped(
     dense = _Dense(table, L, D)
     if not dense.sizes:
         return {}
-    binds = _limits_bind(table, needs)
-    if binds:
-        assert needs is not None
-        tables = _per_position(dense, needs, S)
-        candidates = sorted({opt.time for opts in table.values() for opt in opts.options})
-    else:
+    if not _limits_bind(table, needs):
         needs = None
-        tables = dense.allowed  # type: ignore[assignment]
-        candidates = sorted({opts.time for opts in table.values()})
+    candidates = _tmax_candidates(table, needs)
     D = dense.D  # in units of devices (``_Dense``)
-    every = _solve_f(dense, tables(math.inf), S)[:, 0, D]
-    floor = {k: float(every[1 : k + 1].min()) for k in caps}
-    best = {k: (math.inf, math.nan) for k in caps}
-    # each cap's search starts at its first feasible t_max: below it F is inf for every s <= k (allowing
-    # more options only helps), and with few stages that is most candidates (16 stages of 96 layers)
-    first: dict[int, int] = {}
-    lo = 0
-    for k in sorted((k for k in caps if math.isfinite(floor[k])), reverse=True):  # more stages: feasible sooner
-        first[k] = lo = _first_feasible(
-            candidates, lo, lambda t, k=k: bool(np.isfinite(_solve_f(dense, tables(t), k)[1:, 0, D]).any())
-        )
-    for i in range(min(first.values(), default=len(candidates)), len(candidates)):
-        t_max = candidates[i]
-        live = [
-            k for k in caps
-            if k in first and first[k] <= i and not (B * t_max >= best[k][0] or floor[k] + (B - 1) * t_max >= best[k][0])
-        ]
-        if not live:
-            if all(first[k] <= i for k in first):
-                break
+    every = _totals(dense, math.inf, S, needs)
+    lowest = _bottlenecks(dense, S, needs)
+    totals: dict[int, np.ndarray] = {}  # candidate index -> F[:, 0, D] there, shared by the caps
+    best: dict[int, tuple[float, float]] = {}
+    for k in sorted(caps, reverse=True):  # the largest first: its F rows serve the smaller caps
+        floor = float(every[1 : k + 1].min())
+        if math.isinf(floor):
             continue
-        F = _solve_f(dense, tables(t_max), max(live))[:, 0, D]
-        for k in live:
-            s = int(np.argmin(F[1 : k + 1])) + 1
-            value = float(F[s]) + (B - 1) * t_max
-            if value < best[k][0]:
-                best[k] = (value, t_max)
+        first = bisect.bisect_left(candidates, float(lowest[1 : k + 1].min()))
+        value, i = _least_latency(candidates, first, floor, B, k, totals, lambda t, k=k: _totals(dense, t, k, needs))
+        if i >= 0:
+            best[k] = (value, candidates[i])
     out: dict[int, InterOpPlan] = {}
-    for k, (value, t_max) in best.items():
-        if math.isinf(value):
-            continue
-        F = _solve_f(dense, tables(t_max), k)
+    for k, (value, t_max) in sorted(best.items()):
+        F = _solve_f(dense, t_max, k, needs)
         s = int(np.argmin(F[1:, 0, D])) + 1
         try:
             out[k] = _placed(_reconstruct(F, dense, s, t_max, needs), N, M, B)
@@ -724,17 +761,77 @@ def stage_dp_capped(
 _Search = tuple[float, float, int, "np.ndarray | None"]
 
 
-def _first_feasible(candidates: list[float], lo: int, feasible: Callable[[float], bool]) -> int:
-    """The first index >= ``lo`` of sorted ``candidates`` where ``feasible`` holds (``len`` if none),
-    by bisection: feasibility only grows with t_max, and each probe is one DP."""
-    hi = len(candidates)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(candidates[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def _tmax_candidates(table: dict[tuple[int, int, Shape], _Options], needs: list[int] | None) -> list[float]:
+    """Eq. 4's t_max candidates, ascending: every option's time where memory limits bind (a slower
+    layout may be the fastest eligible one somewhere), else each (range, sub-mesh)'s fastest."""
+    if needs is None:
+        return sorted({opts.time for opts in table.values()})
+    return sorted({opt.time for opts in table.values() for opt in opts.options})
+
+
+def _least_latency(
+    candidates: list[float],
+    first: int,
+    floor: float,
+    B: int,
+    k: int,
+    totals: dict[int, np.ndarray],
+    solve: Callable[[float], np.ndarray],
+) -> tuple[float, int]:
+    """Eq. 4's outer search with at most k stages: the least (T, i), T = F_k(t) + (B - 1) t at
+    t = candidates[i], F_k(t) = min_{s <= k} F[s, 0, D; t] (i = -1 if none is feasible).
+
+    Branch and bound over the candidates rather than a scan of them: F_k does not grow with t
+    (a larger t_max only allows more options), so no t strictly between candidates a and b beats
+    F_k(candidates[b]) + (B - 1) candidates[a + 1]. Intervals whose bound cannot beat the best found
+    (nor tie it at a smaller t) are skipped, the others halved; the paper's pruning (B t >= best)
+    and the floor (the least sum of stage times at any t) cut the top. Each evaluated t is one DP
+    (``solve``: F[:, 0, D] there with at least k stages), kept in ``totals`` by index for the
+    other caps. Same optimum, and the same t among ties, as scanning every candidate from ``first``.
+    """
+    n = len(candidates)
+    best_value, best_i = math.inf, -1
+
+    def total(i: int) -> float:
+        row = totals.get(i)
+        if row is None or row.shape[0] <= k:
+            row = totals[i] = solve(candidates[i])
+        return float(row[1 : k + 1].min())
+
+    def consider(i: int) -> float:
+        nonlocal best_value, best_i
+        f = total(i)
+        value = f + (B - 1) * candidates[i]
+        if value < best_value or (value == best_value and i < best_i):
+            best_value, best_i = value, i
+        return f
+
+    if first >= n:
+        return best_value, best_i
+    # indices already evaluated (for another cap, with as many stages) cost nothing and split the range
+    known = [first] + sorted(i for i, row in totals.items() if i > first and row.shape[0] > k)
+    f_known = [consider(i) for i in known]
+    intervals = [(known[-1], n, floor)]  # (a, b, F_k at b or the floor): indices a < i < b not yet evaluated
+    intervals += [(known[j], known[j + 1], f_known[j + 1]) for j in reversed(range(len(known) - 1))]
+
+    def beaten(bound: float, i: int) -> bool:  # no t_max at index >= i whose T is >= bound is the answer
+        return bound > best_value or (bound == best_value and i > best_i)
+
+    while intervals:
+        a, b, f_b = intervals.pop()
+
+        def cut(i: int, f_b: float = f_b) -> bool:  # the paper's pruning (a plan with slowest stage t costs >= B t)
+            return beaten(B * candidates[i], i) or beaten(f_b + (B - 1) * candidates[i], i)  # and the bound
+
+        if b > a + 1 and cut(b - 1):  # both grow with i: what survives is a prefix of the interval
+            b = a + 1 + bisect.bisect_left(range(a + 1, b), True, key=cut)
+        if b <= a + 1:
+            continue
+        mid = (a + b) // 2
+        f_mid = consider(mid)
+        intervals.append((mid, b, f_b))
+        intervals.append((a, mid, f_mid))
+    return best_value, best_i
 
 
 def _search(
@@ -754,7 +851,7 @@ def _search(
     if uncapped:
         floor = _MinOverStages(dense).solve(every, L - 1)
     else:
-        floor = float(_solve_f(dense, every, S)[1:, 0, D].min())
+        floor = float(_totals(dense, math.inf, S)[1:].min())
     starts_at: dict[float, int] = {}
     for (start, _, _), opts in table.items():
         if starts_at.get(opts.time, -1) < start:
@@ -768,22 +865,21 @@ def _search(
         # every plan with slowest stage <= t_max costs >= floor + (B - 1) * t_max
         if floor + (B - 1) * t_max >= best_value:
             break
-        allowed = dense.allowed(t_max)
         if solver is not None:
-            total = solver.solve(allowed, top)
+            total = solver.solve(dense.allowed(t_max), top)
             top = -1
             value = total + (B - 1) * t_max
             if value < best_value:
                 best_value, best_tmax, best_F = value, t_max, total
         else:
-            F = _solve_f(dense, allowed, S)
+            F = _solve_f(dense, t_max, S)
             s = int(np.argmin(F[1:, 0, D])) + 1
             value = float(F[s, 0, D]) + (B - 1) * t_max
             if value < best_value:
                 best_value, best_tmax, best_s, best_F = value, t_max, s, F
     if uncapped and best_F is not None:
         total = best_F
-        best_F = _solve_f(dense, dense.allowed(best_tmax), S, stop_at=total)
+        best_F = _solve_f(dense, best_tmax, S, stop_at=total)
         best_s = int(np.argmin(best_F[1:, 0, D])) + 1
         assert best_F[best_s, 0, D] == total
     return best_value, best_tmax, best_s, best_F
@@ -810,17 +906,6 @@ def _shapes(N: int, M: int, space: str) -> list[Shape]:
         raise InterOpError(str(err)) from None
 
 
-def _per_position(dense: _Dense, needs: list[int], S: int) -> Callable[[float], list[np.ndarray | None]]:
-    """t_max -> the times table of each position s = 1..S (its options eligible for needs[s]; item 0 unused)."""
-    distinct = sorted(set(needs[1:]))
-
-    def tables(t_max: float) -> list[np.ndarray | None]:
-        by_need = {need: dense.allowed(t_max, need) for need in distinct}
-        return [None] + [by_need[needs[s]] for s in range(1, S + 1)]
-
-    return tables
-
-
 def _search_per_position(
     dense: _Dense,
     table: dict[tuple[int, int, Shape], _Options],
@@ -831,35 +916,23 @@ def _search_per_position(
     """Eq. 4 with memory limits: position s uses the options eligible for needs[s].
 
     Candidate t_max values are the times of every option (a slower logical mesh may be the
-    fastest eligible one somewhere); pruning as in :func:`_search`.
+    fastest eligible one somewhere); searched from the first feasible one (``_bottlenecks``:
+    memory limits rule out the small t_max of most candidates) by ``_least_latency``.
     """
     D = dense.D
-    best_value, best_tmax, best_s, best_F = math.inf, math.nan, 0, None
     if not dense.sizes:
-        return best_value, best_tmax, best_s, best_F
-    per_position = _per_position(dense, needs, S)
-
+        return math.inf, math.nan, 0, None
     # lower bound on sum_i t_i for any t_max: the DP with every eligible option allowed
-    floor = float(_solve_f(dense, per_position(math.inf), S)[1:, 0, D].min())
-    candidates = sorted({opt.time for opts in table.values() for opt in opts.options})
+    floor = float(_totals(dense, math.inf, S, needs)[1:].min())
     if math.isinf(floor):
-        return best_value, best_tmax, best_s, best_F
-    # below the first feasible t_max F is inf (allowing more options only helps): found by bisection,
-    # as memory limits rule out the small t_max of most candidates (870 of 884 DPs on GPT-15B)
-    first = _first_feasible(
-        candidates, 0, lambda t: bool(np.isfinite(_solve_f(dense, per_position(t), S)[1:, 0, D]).any())
-    )
-    for t_max in candidates[first:]:
-        if B * t_max >= best_value:  # early pruning (sec. 5.2)
-            break
-        if floor + (B - 1) * t_max >= best_value:
-            break
-        F = _solve_f(dense, per_position(t_max), S)
-        s = int(np.argmin(F[1:, 0, D])) + 1
-        value = float(F[s, 0, D]) + (B - 1) * t_max
-        if value < best_value:
-            best_value, best_tmax, best_s, best_F = value, t_max, s, F
-    return best_value, best_tmax, best_s, best_F
+        return math.inf, math.nan, 0, None
+    candidates = _tmax_candidates(table, needs)
+    first = bisect.bisect_left(candidates, float(_bottlenecks(dense, S, needs)[1:].min()))
+    value, i = _least_latency(candidates, first, floor, B, S, {}, lambda t: _totals(dense, t, S, needs))
+    if i < 0:
+        return math.inf, math.nan, 0, None
+    F = _solve_f(dense, candidates[i], S, needs)
+    return value, candidates[i], int(np.argmin(F[1:, 0, D])) + 1, F
 
 
 def _compositions(L: int, max_parts: int):
