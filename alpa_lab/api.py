@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
@@ -36,6 +37,7 @@ DEFAULT_LAYERS = 8
 """Layers the automatic layering cuts a step into when pipelining (``layers=`` overrides)."""
 
 
+@quiet_gc()
 def plan_graph(
     graph: OpGraph,
     cluster: ClusterSpec,

@@ -4,6 +4,8 @@ The layers, lowest first (a module may import its own layer and any lower one)::
 
     graph < cost < sharding < plan < passes < runtime < api < notebook
 
+(below them all, ``_gc``: a helper the tracer and the planners use, which imports none of them)
+
 ``plan`` is pure data: it imports no pass, so editing a plan (``pin``, ``pin_stages``,
 ``with_schedule``, ``recalibrated``) is done by the planner state the passes attach to it.
 Every ``import`` statement counts, top-level or nested in a function (a lazy import is still
@@ -29,6 +31,7 @@ RANK.update(
         "cli": RANK["api"],  # the command line: calls the public API
         "__main__": RANK["api"],
         "": RANK["api"],  # ``import alpa_lab``: the public namespace, the API and all below it
+        "_gc": -1,  # the collector's settings while tracing and planning: imports nothing of ours
     }
 )
 

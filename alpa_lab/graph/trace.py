@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from alpa_lab._gc import quiet_gc
 from alpa_lab.graph import markers
 from alpa_lab.graph.opgraph import Op, OpGraph, Var
 
@@ -51,6 +52,7 @@ class TraceError(ValueError):
     """The function could not be traced with the example arguments."""
 
 
+@quiet_gc()
 def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them).
 

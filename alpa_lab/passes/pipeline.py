@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
 from alpa_lab.cost.profile import CostParts, ProfileError
 from alpa_lab.graph.analysis import classify_arguments
@@ -804,6 +805,7 @@ def _transfer_time(problem: PipelineProblem, stages: Sequence[StageResult]) -> l
     return [p.seconds(problem.cluster) for p in boundary_parts(problem, stages)]
 
 
+@quiet_gc()
 def plan_pipeline(
     graph: OpGraph,
     cluster: ClusterSpec,
@@ -853,22 +855,35 @@ def plan_pipeline(
             progress(f"layer costs: {len(problem.layer_costs) - solved_before} intra-op ILPs solved "
                      f"({len(problem.layer_costs)} cached)")
 
+    layouts: dict[tuple, tuple[tuple[float, float, int | None, str], ...]] = {}  # shared by the DP's runs (with and without transfers)
+
     def cost(start: int, end: int, submesh: Shape, logical: Shape, transfers: bool = transfers) -> StageCost | None:
         if logical_meshes == "single_node_model_parallel" and M % logical[1]:
             return None
-        fast = problem.stage_cost(start, end, submesh, logical, method)
-        report()
-        if fast is None:
+        key = (start, end, submesh, logical)
+        found = layouts.get(key)
+        if found is None:
+            found = layouts[key] = stage_layouts(start, end, submesh, logical)
+            report()
+        if not found:
             return None
         # the stage's outgoing cross-mesh transfer, per micro-batch, is on its critical path (issue 11 part 3)
         send = problem.send_seconds(start, end, submesh) if transfers else 0.0
-        options = [StageCost(fast.time + send, fast.weight_memory + fast.activation_memory, _fits(fast, memory), method)]
+        return [StageCost(t + send, m, fits, how) for t, m, fits, how in found]
+
+    def stage_layouts(start: int, end: int, submesh: Shape, logical: Shape) -> tuple[tuple[float, float, int | None, str], ...]:
+        """(time, memory, micro-batches it holds, layout) of the stage in ``method``, and in the memory-saving
+        layouts where the DP may need them."""
+        fast = problem.stage_cost(start, end, submesh, logical, method)
+        if fast is None:
+            return ()
+        found = [(fast, method)]
         if wants_savers(start, submesh, fast):
             for saver in MEMORY_SAVING_METHODS:
                 alt = problem.stage_cost(start, end, submesh, logical, saver)
                 if alt is not None:
-                    options.append(StageCost(alt.time + send, alt.weight_memory + alt.activation_memory, _fits(alt, memory), saver))
-        return options
+                    found.append((alt, saver))
+        return tuple((c.time, c.weight_memory + c.activation_memory, _fits(c, memory), how) for c, how in found)
 
     def wants_savers(start: int, submesh: Shape, fast: LayerCost) -> bool:
         """Where the fastest plan (often replicated weights) may not hold the micro-batches of the
