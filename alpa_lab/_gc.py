@@ -18,6 +18,7 @@ from collections.abc import Iterator
 _lock = threading.Lock()
 _depth = 0
 _saved: tuple[int, ...] = ()
+_froze = False
 
 THRESHOLDS = (10_000, 50, 1_000)
 """generation 0 / 1 / 2 thresholds while quiet (CPython's defaults: 700, 10, 10)"""
@@ -25,19 +26,26 @@ THRESHOLDS = (10_000, 50, 1_000)
 
 @contextlib.contextmanager
 def quiet_gc() -> Iterator[None]:
-    """Freeze the existing heap and collect less often until the outermost ``quiet_gc`` exits."""
-    global _depth, _saved
-    with _lock:
-        if _depth == 0:
-            _saved = gc.get_threshold()
-            gc.freeze()
-            gc.set_threshold(*THRESHOLDS)
-        _depth += 1
+    """Freeze the existing heap and collect less often until the outermost ``quiet_gc`` exits.
+
+    A host that froze objects itself (``gc.freeze`` before forking workers) keeps them frozen:
+    then only the thresholds change, as ``gc.unfreeze`` would release the host's objects too.
+    """
+    global _depth, _saved, _froze
     try:
+        with _lock:
+            if _depth == 0:
+                _saved = gc.get_threshold()
+                _froze = gc.get_freeze_count() == 0
+                if _froze:
+                    gc.freeze()
+                gc.set_threshold(*THRESHOLDS)
+            _depth += 1
         yield
     finally:
         with _lock:
             _depth -= 1
             if _depth == 0:
                 gc.set_threshold(*_saved)
-                gc.unfreeze()
+                if _froze:
+                    gc.unfreeze()

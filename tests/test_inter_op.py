@@ -775,3 +775,17 @@ def test_branch_and_bound_over_t_max_equals_scanning_every_candidate():
         seen["evaluated"] += len(totals)
         seen["candidates"] += len(candidates)
     assert seen["compared"] > 100 and seen["ties"] > 5, seen
+
+
+def test_no_slicing_when_the_cluster_is_not_a_multiple_of_the_feasible_sub_meshes():
+    """3 devices, stages only on 2: the device unit (2) does not divide the cluster, so the dense tables are empty."""
+    from alpa_lab.passes.inter_op import stage_dp_capped
+
+    def cost(start, end, shape, logical):
+        return StageCost(1.0) if shape[0] * shape[1] == 2 else None
+
+    with pytest.raises(InterOpError, match="none combine into contiguous stages"):
+        stage_dp(2, 1, 3, 2, cost)
+    with pytest.raises(InterOpError):
+        stage_dp(2, 1, 3, 2, cost, in_flight=one_f_one_b(2))
+    assert stage_dp_capped(2, 1, 3, 2, cost, [1, 2]) == {}

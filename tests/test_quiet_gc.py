@@ -49,3 +49,16 @@ def test_planning_leaves_the_collector_as_it_was():
     step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 2))
     step.plan(*ex.args)
     assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
+
+
+def test_a_host_that_froze_objects_keeps_them_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with quiet_gc():
+            assert gc.get_threshold() == THRESHOLDS
+        # still frozen (``gc.unfreeze`` would leave 0; a few frozen objects may die meanwhile)
+        assert gc.get_freeze_count() > frozen // 2
+    finally:
+        gc.unfreeze()

@@ -15,9 +15,11 @@ decomposable problem (eq. 3-4)
                         d devices, every stage time <= t_max
     T*(t_max)         = min_s F(s, 0, N*M; t_max) + (B - 1) * t_max,
 
-and returns the best T*(t_max). Candidates are tried in increasing order and the search
-stops once B * t_max >= best T (any plan whose slowest stage is t_max costs at least
-B * t_max, since sum_i t_i >= t_max). Sub-mesh sizes summing to N*M suffice for a tiling
+and returns the best T*(t_max). The candidates (the options' times) start at the least t_max
+with any feasible slicing (one min-max DP, ``_bottlenecks``) and none at or above a t_max with
+B * t_max >= best T is needed (any plan whose slowest stage is t_max costs at least B * t_max,
+since sum_i t_i >= t_max). Between those, F only falls as t_max grows, so ``_least_latency``
+searches by branch and bound, with the same optimum as trying every candidate. Sub-mesh sizes summing to N*M suffice for a tiling
 (Appendix A), which :func:`place_submeshes` then builds to give real device ids.
 
 Memory (eq. 5, Alpa's ``max_n_succ_stages``): under a pipeline schedule the stage at
@@ -189,13 +191,6 @@ def _checked_costs(
     return [] if checked is None else [checked]
 
 
-def _checked_cost(
-    stage_cost: StageCostFn, start: int, end: int, shape: Shape, logical: Shape
-) -> StageCost | None:
-    """Call stage_cost and validate its answer (a StageCost with finite time >= 0, or None)."""
-    return _check_one(stage_cost(start, end, shape, logical), start, end, shape, logical)
-
-
 def _check_one(cost: object, start: int, end: int, shape: Shape, logical: Shape) -> StageCost | None:
     if cost is None:
         return None
@@ -319,6 +314,7 @@ class _Dense:
     Taking the min over sub-meshes of equal size is exact: t + F is monotone in t, so
     min_i(t_i) + F == min_i(t_i + F) in floating point too. ``shift[j, d]`` indexes
     d - sizes[j] into a row padded with one trailing inf (index D + 1) where d < sizes[j].
+    ``bands(need, t_max)`` is ``times_for(need)``'s finite entries as the DP walks them.
 
     Devices are counted in units of the greatest common divisor of the sub-mesh sizes with a
     feasible option (``unit``; ``D`` and ``sizes`` are in units): only multiples of it can be
@@ -359,11 +355,14 @@ class _Dense:
                     if (j := self.index.get(shape[0] * shape[1])) is not None
                     for i, opt in enumerate(opts.options)
                 ]
-                self._options = tuple(np.array(col) for col in zip(*rows)) if rows else tuple(np.zeros(0) for _ in range(6))
+                columns = list(zip(*rows)) or [()] * 6
+                self._options = tuple(
+                    np.array(col, dtype=dtype) for col, dtype in zip(columns, (np.int64, np.int64, np.int64, float, float, bool))
+                )
             start, end, j, time, limit, fastest = self._options
             keep = fastest if need is None else limit >= need
             times = np.full((self.L + 1, self.L + 1, len(self.sizes)), np.inf)
-            np.minimum.at(times, (start[keep].astype(int), end[keep].astype(int), j[keep].astype(int)), time[keep])
+            np.minimum.at(times, (start[keep], end[keep], j[keep]), time[keep])
             self._times[need] = times
         return times
 
@@ -443,12 +442,16 @@ def _f_rows(
     S: int,
     needs: list[int] | None = None,
     combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+    base: float = 0.0,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """(s, F[s]) for s = 1..S (``_solve_f``); each row is overwritten after the next one is made, so
-    callers that need only F[s, 0, D] (``_totals``) never hold the whole (S, L, D) table."""
+    """(s, F[s]) for s = 1..S (``_solve_f``), F[0] being ``base`` at (L, 0) and inf elsewhere.
+
+    Two buffers take turns: the row yielded for s is overwritten when s + 2 is made, so a caller
+    copies what it keeps (``_solve_f``) or keeps only F[s, 0, D] (``_totals``), never holding the
+    whole (S, L, D) table (77 MB per t_max for GPT-3 175B on 1,024 devices)."""
     L, D = dense.L, dense.D
     prev, row = np.full((L + 1, D + 1), np.inf), np.empty((L + 1, D + 1))
-    prev[L, 0] = 0.0 if combine is np.add else -np.inf
+    prev[L, 0] = base
     bands: dict[int | None, list] = {}
     for s in range(1, S + 1):
         need = None if needs is None else needs[s]
@@ -498,10 +501,11 @@ def _totals(
     S: int,
     needs: list[int] | None = None,
     combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+    base: float = 0.0,
 ) -> np.ndarray:
     """F[:, 0, D] of ``_solve_f`` (item 0 inf) without the table: what the search over t_max compares."""
     out = np.full(S + 1, np.inf)
-    for s, row in _f_rows(dense, t_max, S, needs, combine):
+    for s, row in _f_rows(dense, t_max, S, needs, combine, base):
         out[s] = row[0, dense.D]
     return out
 
@@ -513,7 +517,7 @@ def _bottlenecks(dense: _Dense, S: int, needs: list[int] | None) -> np.ndarray:
     feasible at t_max exactly when its slowest stage is <= t_max, and the slowest stage is one of
     the option times, so the first feasible candidate is found by ``bisect`` on this value.
     """
-    return _totals(dense, math.inf, S, needs, combine=np.maximum)
+    return _totals(dense, math.inf, S, needs, combine=np.maximum, base=-math.inf)
 
 
 def _reconstruct(
@@ -710,13 +714,14 @@ def stage_dp_capped(
     cache: dict | None = None,
     submesh_space: str = "all",
 ) -> dict[int, InterOpPlan]:
-    """``stage_dp(..., max_stages=k)`` for every k in ``caps``, from one search over t_max.
+    """``stage_dp(..., max_stages=k)`` for every k in ``caps``, sharing the DP's rows between caps.
 
     F[s, 0, D] of one t_max holds every stage count s at once, so the optimum with at most k
-    stages is the best over t_max of min_{s <= k} F[s, 0, D] + (B - 1) t_max for every k
-    together; a cap stops being searched once eq. 4's pruning rules it out. Caps with no
-    feasible slicing (or whose stages cannot be placed) are left out. Same optima (T) as
-    ``stage_dp`` per cap (``tests/test_inter_op.py`` compares them).
+    stages is the best over t_max of min_{s <= k} F[s, 0, D] + (B - 1) t_max: one branch and
+    bound per cap (``_least_latency``), largest cap first, each reusing the t_max already
+    solved for a larger one. Caps with no feasible slicing (or whose stages cannot be placed),
+    and caps above min(L, N M), are left out. Same optima (T) as ``stage_dp`` per cap
+    (``tests/test_inter_op.py`` compares them).
     """
     caps = sorted({_check_int("a stage cap", k) for k in caps})
     if not caps:
@@ -821,7 +826,8 @@ def _least_latency(
         a, b, f_b = intervals.pop()
 
         def cut(i: int, f_b: float = f_b) -> bool:  # the paper's pruning (a plan with slowest stage t costs >= B t)
-            return beaten(B * candidates[i], i) or beaten(f_b + (B - 1) * candidates[i], i)  # and the bound
+            t = candidates[i]  # t + (B - 1) t, not B t: F >= t exactly in floating point, so T >= this rounded alike
+            return beaten(t + (B - 1) * t, i) or beaten(f_b + (B - 1) * t, i)  # and the bound
 
         if b > a + 1 and cut(b - 1):  # both grow with i: what survives is a prefix of the interval
             b = a + 1 + bisect.bisect_left(range(a + 1, b), True, key=cut)
@@ -847,9 +853,8 @@ def _search(
     if not dense.sizes:
         return best_value, best_tmax, best_s, best_F
     # lower bound on sum_i t_i for any t_max: the DP with every option allowed
-    every = dense.allowed(math.inf)
     if uncapped:
-        floor = _MinOverStages(dense).solve(every, L - 1)
+        floor = _MinOverStages(dense).solve(dense.allowed(math.inf), L - 1)
     else:
         floor = float(_totals(dense, math.inf, S)[1:].min())
     starts_at: dict[float, int] = {}
@@ -860,7 +865,7 @@ def _search(
     top = -1  # rows 0..top of the incremental solver are out of date
     for t_max in sorted(starts_at):
         top = max(top, starts_at[t_max])
-        if math.isinf(floor) or B * t_max >= best_value:  # early pruning (sec. 5.2)
+        if math.isinf(floor) or t_max + (B - 1) * t_max >= best_value:  # early pruning (sec. 5.2), as T is rounded
             break
         # every plan with slowest stage <= t_max costs >= floor + (B - 1) * t_max
         if floor + (B - 1) * t_max >= best_value:
