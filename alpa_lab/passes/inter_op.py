@@ -738,24 +738,8 @@ def stage_dp_capped(
         return {}
     if not _limits_bind(table, needs):
         needs = None
-    candidates = _tmax_candidates(table, needs)
-    D = dense.D  # in units of devices (``_Dense``)
-    every = _totals(dense, math.inf, S, needs)
-    lowest = _bottlenecks(dense, S, needs)
-    totals: dict[int, np.ndarray] = {}  # candidate index -> F[:, 0, D] there, shared by the caps
-    best: dict[int, tuple[float, float]] = {}
-    for k in sorted(caps, reverse=True):  # the largest first: its F rows serve the smaller caps
-        floor = float(every[1 : k + 1].min())
-        if math.isinf(floor):
-            continue
-        first = bisect.bisect_left(candidates, float(lowest[1 : k + 1].min()))
-        value, i = _least_latency(candidates, first, floor, B, k, totals, lambda t, k=k: _totals(dense, t, k, needs))
-        if i >= 0:
-            best[k] = (value, candidates[i])
     out: dict[int, InterOpPlan] = {}
-    for k, (value, t_max) in sorted(best.items()):
-        F = _solve_f(dense, t_max, k, needs)
-        s = int(np.argmin(F[1:, 0, D])) + 1
+    for k, (_, t_max, s, F) in sorted(_optima_per_cap(dense, table, B, caps, S, needs).items()):
         try:
             out[k] = _placed(_reconstruct(F, dense, s, t_max, needs), N, M, B)
         except InterOpError:  # its sub-meshes cannot be placed: not a plan
@@ -918,26 +902,44 @@ def _search_per_position(
     S: int,
     needs: list[int],
 ) -> _Search:
-    """Eq. 4 with memory limits: position s uses the options eligible for needs[s].
+    """Eq. 4 with memory limits: position s uses the options eligible for needs[s] (``_optima_per_cap``
+    with the one cap S). Returns (best T, its t_max, its stage count, its F table), F None when infeasible."""
+    return _optima_per_cap(dense, table, B, [S], S, needs).get(S, (math.inf, math.nan, 0, None))
 
-    Candidate t_max values are the times of every option (a slower logical mesh may be the
-    fastest eligible one somewhere); searched from the first feasible one (``_bottlenecks``:
-    memory limits rule out the small t_max of most candidates) by ``_least_latency``.
+
+def _optima_per_cap(
+    dense: _Dense,
+    table: dict[tuple[int, int, Shape], _Options],
+    B: int,
+    caps: list[int],
+    S: int,
+    needs: list[int] | None,
+) -> dict[int, _Search]:
+    """Eq. 4's optimum with at most k stages for each cap k <= S that has a feasible slicing.
+
+    Candidate t_max values are ``_tmax_candidates`` (every option's time where limits bind: a
+    slower logical mesh may be the fastest eligible one somewhere), searched from the first
+    feasible one (``_bottlenecks``: memory limits rule out the small t_max of most candidates)
+    by ``_least_latency``, the largest cap first: its DP rows serve the smaller caps.
     """
     D = dense.D
     if not dense.sizes:
-        return math.inf, math.nan, 0, None
-    # lower bound on sum_i t_i for any t_max: the DP with every eligible option allowed
-    floor = float(_totals(dense, math.inf, S, needs)[1:].min())
-    if math.isinf(floor):
-        return math.inf, math.nan, 0, None
+        return {}
     candidates = _tmax_candidates(table, needs)
-    first = bisect.bisect_left(candidates, float(_bottlenecks(dense, S, needs)[1:].min()))
-    value, i = _least_latency(candidates, first, floor, B, S, {}, lambda t: _totals(dense, t, S, needs))
-    if i < 0:
-        return math.inf, math.nan, 0, None
-    F = _solve_f(dense, candidates[i], S, needs)
-    return value, candidates[i], int(np.argmin(F[1:, 0, D])) + 1, F
+    every = _totals(dense, math.inf, S, needs)  # [s]: the least sum of stage times at any t_max, a floor
+    lowest = _bottlenecks(dense, S, needs)
+    totals: dict[int, np.ndarray] = {}  # candidate index -> F[:, 0, D] there, shared by the caps
+    out: dict[int, _Search] = {}
+    for k in sorted(caps, reverse=True):
+        floor = float(every[1 : k + 1].min())
+        if math.isinf(floor):
+            continue
+        first = bisect.bisect_left(candidates, float(lowest[1 : k + 1].min()))
+        value, i = _least_latency(candidates, first, floor, B, k, totals, lambda t, k=k: _totals(dense, t, k, needs))
+        if i >= 0:
+            F = _solve_f(dense, candidates[i], k, needs)
+            out[k] = (value, candidates[i], int(np.argmin(F[1:, 0, D])) + 1, F)
+    return out
 
 
 def _compositions(L: int, max_parts: int):
