@@ -191,3 +191,44 @@ def test_invalid_graphs_are_value_errors() -> None:
         solve(CostGraph((np.array([np.nan]),), (np.zeros(1),), ()))
     with pytest.raises(ValueError, match="too many"):
         brute_force(CostGraph(tuple(np.zeros(10) for _ in range(7)), tuple(np.zeros(10) for _ in range(7)), ()))
+
+
+def test_switch_penalties_equal_the_definition() -> None:
+    """The dominance test's penalties (worked out per class of equal columns) equal max_j (R[a, j] - R[b, j])
+    over the j that b can meet, taken directly, on matrices with repeated rows and columns, forbidden
+    pairs and signed zeros."""
+    from alpa_lab.passes.ilp import _switch_penalty
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        k, j = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+        base = rng.integers(0, 4, size=(int(rng.integers(1, k + 1)), j)).astype(float)
+        r = base[rng.integers(0, len(base), size=k)]  # rows drawn from few distinct ones
+        r = r[:, rng.integers(0, j, size=j)]
+        r[rng.random(r.shape) < 0.15] = np.inf
+        r[r == 0] = rng.choice([0.0, -0.0])
+        expected = np.full((k, k), -np.inf)
+        for a in range(k):
+            for b in range(k):
+                for c in range(j):
+                    if np.isfinite(r[b, c]):
+                        expected[a, b] = max(expected[a, b], r[a, c] - r[b, c])
+        np.testing.assert_array_equal(_switch_penalty(r), expected)
+
+
+def test_matches_brute_force_with_repeated_rows_and_columns() -> None:
+    """Resharding matrices repeat rows and columns (strategies sharing a spec): the reductions
+    that work per class of them keep brute force's optimum."""
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        graph = random_graph(rng)
+        edges = []
+        for u, v, r in graph.edges:
+            r = r[rng.integers(0, r.shape[0], size=r.shape[0])][:, rng.integers(0, r.shape[1], size=r.shape[1])]
+            edges.append((u, v, r))
+        graph = CostGraph(graph.node_costs, graph.node_memory, tuple(edges))
+        expected = outcome(brute_force, graph)
+        got = outcome(solve, graph)
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert got.objective == pytest.approx(expected[1], rel=1e-9, abs=1e-12)

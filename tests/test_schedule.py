@@ -484,3 +484,67 @@ def test_schedule_names_a_plan_may_carry_are_the_schedules_built():
 
     assert tuple(schedule.SCHEDULES) == plan.SCHEDULE_NAMES
     assert schedule.Timeline is plan.Timeline and schedule.TimelineRecord is plan.TimelineRecord
+
+
+def _ready(rec, by_key, mesh_of, link, S):
+    """When ``rec``'s inputs exist, from the other records alone (the definitions in ``simulate``'s docstring)."""
+    s, m, phase = rec.stage, rec.microbatch, rec.phase
+    if rec.kind == "RECV":
+        peer = s - 1 if phase == FORWARD else s + 1
+        return by_key[("SEND", peer, phase, m)].start + link[min(s, peer)]
+    if rec.kind in ("SEND", "FREE"):
+        return by_key[("RUN", s, phase, m)].end
+    if phase == FORWARD:
+        if s == 0:
+            return 0.0
+        src = ("RUN", s - 1, FORWARD, m) if mesh_of[s - 1] == mesh_of[s] else ("RECV", s, FORWARD, m)
+        return by_key[src].end
+    if phase == BACKWARD_WEIGHT:
+        return by_key[("RUN", s, BACKWARD_INPUT, m)].end
+    own = by_key[("RUN", s, FORWARD, m)].end
+    if s == S - 1:
+        return own
+    src = ("RUN", s + 1, phase, m) if mesh_of[s + 1] == mesh_of[s] else ("RECV", s, phase, m)
+    return max(own, by_key[src].end)
+
+
+@pytest.mark.parametrize("name", [*NAMES, "interleaved_1f1b", "zb_h1"])
+def test_every_instruction_starts_when_its_mesh_is_free_and_its_inputs_exist(name):
+    """``simulate`` works out the waits once per schedule and then times them in one pass: each record's
+    start must be exactly the later of its mesh's previous end and its inputs' arrival, recomputed
+    here from the records (random stage and link times), and ``records=False`` the same figures."""
+    import random
+
+    rng = random.Random(7)
+    for S, M in [(1, 1), (2, 5), (3, 3), (4, 8), (6, 12), (5, 2)]:
+        if name == "interleaved_1f1b":
+            sched = interleaved_one_f_one_b(2 * S, 2 * M, 2) if S > 1 else interleaved_one_f_one_b(2, 2, 1)
+        else:
+            sched = make_schedule(name, S, M)
+        n = sched.num_stages
+        f = [rng.uniform(0.5, 2) for _ in range(n)]
+        b = [rng.uniform(0.5, 3) for _ in range(n)]
+        w = [rng.uniform(0.2, 1) for _ in range(n)] if sched.split_backward else None
+        link = [rng.choice([0.0, rng.uniform(0.1, 1.5)]) for _ in range(n - 1)]
+        tl = simulate(sched, f, b, link, w)
+        mesh_of = [sched.mesh(s) for s in range(n)]
+        by_key = {(r.kind, r.stage, r.phase, r.microbatch): r for r in tl.records}
+        assert len(by_key) == len(tl.records) == sum(len(p) for p in sched.instructions)
+        clock = {}
+        for r in tl.records:  # each mesh's records come in its list order
+            assert r.start == max(clock.get(r.mesh, 0.0), _ready(r, by_key, mesh_of, link, n)), r
+            expected = {FORWARD: f, BACKWARD: b if w is None else [x + y for x, y in zip(b, w)],
+                        BACKWARD_INPUT: b if w else [x / 2 for x in b], BACKWARD_WEIGHT: w or [x / 2 for x in b]}
+            assert r.end == (r.start + expected[r.phase][r.stage] if r.kind == "RUN" else r.start), r
+            clock[r.mesh] = r.end
+        assert tl.makespan == max(clock.values())
+        bare = simulate(sched, f, b, link, w, records=False)
+        assert bare.records == () and bare == dataclasses.replace(tl, records=())
+
+
+def test_split_backward_schedules_by_name():
+    from alpa_lab.passes.schedule import SCHEDULES, SPLIT_BACKWARD
+
+    for name in SCHEDULES:
+        sched = make_schedule(name, 2, 2, num_meshes=1) if name == "interleaved_1f1b" else make_schedule(name, 2, 2)
+        assert sched.split_backward == (name in SPLIT_BACKWARD)

@@ -46,7 +46,7 @@ from alpa_lab.passes.intra_op import (
 )
 from alpa_lab.passes.methods import TIE_PERIODS, make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import (
-    BACKWARD_INPUT, BACKWARD_WEIGHT, Schedule, Timeline, check, make_schedule, one_f_one_b_estimate, one_f_one_b_windows,
+    BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, Schedule, Timeline, check, make_schedule, one_f_one_b_estimate, one_f_one_b_windows,
     simulate,
 )
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
@@ -117,6 +117,9 @@ class PipelineProblem:
     layer_graphs: OrderedDict = field(default_factory=OrderedDict)
     """(layer key, sub-mesh, logical mesh) -> that layer's intra-op problem, the last few: the
     DP asks a layer's memory-saving layouts right after its fastest one, and they share it"""
+    layer_pieces: dict[int, tuple[int, Subgraph, dict[int, str]]] = field(default_factory=dict)
+    """layer key -> (layer, its program, argument kinds): the layer that key's problems are built from,
+    cut once for every mesh"""
     prefixes: dict[tuple, tuple[np.ndarray, ...]] = field(default_factory=dict)
     """(sub-mesh, logical mesh, method) -> cumulative layer costs: a stage's cost in O(1)"""
     logical_meshes: str = "all"
@@ -186,18 +189,19 @@ class PipelineProblem:
     def _layer_graph(self, layer: int, submesh: Shape, logical: Shape) -> tuple[list[int], StrategyGraph, dict[int, str]]:
         """The intra-op problem of one layer on one logical mesh (the methods restrict its solve, not it)."""
         key = (self.layer_keys[layer], submesh, logical)
-        ops = self.slicing.ops_of([layer], (FORWARD, BACKWARD))
         if key in self.layer_graphs:
             self.layer_graphs.move_to_end(key)
             rep, sg, kinds = self.layer_graphs[key]
             return self.slicing.ops_of([rep], (FORWARD, BACKWARD)), sg, kinds
-        piece = subgraph(self.graph, ops, consumers=self.consumers or None)
-        kinds = self.piece_kinds(piece)
+        if self.layer_keys[layer] not in self.layer_pieces:
+            piece = subgraph(self.graph, self.slicing.ops_of([layer], (FORWARD, BACKWARD)), consumers=self.consumers or None)
+            self.layer_pieces[self.layer_keys[layer]] = (layer, piece, self.piece_kinds(piece))
+        rep, piece, kinds = self.layer_pieces[self.layer_keys[layer]]
         sg = build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse)
-        self.layer_graphs[key] = (layer, sg, kinds)
+        self.layer_graphs[key] = (rep, sg, kinds)
         if len(self.layer_graphs) > LAYER_GRAPHS_KEPT:
             self.layer_graphs.popitem(last=False)
-        return ops, sg, kinds
+        return self.slicing.ops_of([rep], (FORWARD, BACKWARD)), sg, kinds
 
     def _solve_layer(self, layer: int, submesh: Shape, logical: Shape, method: str) -> LayerCost | None:
         if not self.slicing.ops_of([layer], (FORWARD, BACKWARD)):
@@ -640,11 +644,14 @@ def plan_stages(
     schedule: str,
     method: str = "alpa",
     pins: Mapping[str, str] | None = None,
+    records: bool = True,
 ) -> tuple[tuple[StageResult, ...], Timeline]:
     """Plan each stage (layers, sub-mesh, logical mesh, devices) and simulate the schedule.
 
     Stages that share devices are the virtual stages of an interleaved plan: stage j must
     then run on mesh j % P (P distinct meshes), as ``interleaved_1f1b`` places them.
+    ``records=False``: the timeline without its per-instruction records (``simulated_timeline``
+    makes them later for the candidate that is kept).
     """
     sched, report = _checked_schedule(problem, stages, schedule, num_microbatches)
     deferred: set[str] = set()
@@ -661,15 +668,24 @@ def plan_stages(
         )
     if problem.stage_timer is not None:
         results = _measured(problem.stage_timer(problem, results, sched), results, sched.split_backward)
+    return tuple(results), simulated_timeline(problem, results, schedule, num_microbatches, records=records)
+
+
+def simulated_timeline(
+    problem: PipelineProblem, results: Sequence[StageResult], schedule: str, num_microbatches: int, records: bool = True
+) -> Timeline:
+    """The schedule of planned stages simulated with their times and placed boundary transfers."""
+    stages = [(r.layers, r.submesh_shape, r.logical_shape, r.device_ids) for r in results]
+    sched, _ = _checked_schedule(problem, stages, schedule, num_microbatches)
     split = sched.split_backward
-    timeline = simulate(
+    return simulate(
         sched,
         forward_time=[r.forward_time for r in results],
         backward_time=[r.backward_time - r.weight_gradient_time if split else r.backward_time for r in results],
         transfer_time=_transfer_time(problem, results),
         weight_time=[r.weight_gradient_time for r in results] if split else None,
+        records=records,
     )
-    return tuple(results), timeline
 
 
 def _checked_schedule(
@@ -687,13 +703,10 @@ def _checked_schedule(
     return sched, report
 
 
-def _candidate_costs(
-    problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str
-) -> tuple[Schedule, list[LayerCost | None]]:
-    """A DP candidate's schedule (unchecked: the check is for planned candidates) and its stages' layer costs."""
+def _candidate_costs(problem: PipelineProblem, inter: InterOpPlan, method: str) -> tuple[list[tuple], list[LayerCost | None]]:
+    """A DP candidate's stages (layers, sub-mesh, logical mesh, devices) and their layer costs."""
     stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in inter.stages]
-    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)
-    return sched, [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
+    return stages, [problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method) for st in inter.stages]
 
 
 def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, method: str = "alpa") -> float:
@@ -706,14 +719,16 @@ def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, 
     whose floor is already above the best planned step (``tests/test_plan_speed.py`` checks the floor
     against the planned steps, and the screened choice against planning every candidate).
     """
-    sched, costs = _candidate_costs(problem, inter, schedule, method)
-    if sched.split_backward or any(c is None for c in costs):
+    stages, costs = _candidate_costs(problem, inter, method)
+    if schedule in SPLIT_BACKWARD or any(c is None for c in costs):
         return 0.0  # a split backward's weight gradients fill bubbles: the layers' backward is no floor; plan it
+    sched, _ = _checked_schedule(problem, stages, schedule, inter.num_microbatches, checked=False)  # checked if planned
     timeline = simulate(
         sched,
         forward_time=[c.forward for c in costs],
         backward_time=[c.backward for c in costs],
         transfer_time=_transfer_time(problem, inter.stages),
+        records=False,
     )
     return timeline.makespan
 
@@ -729,8 +744,8 @@ def quick_bounds(problem: PipelineProblem, inter: InterOpPlan, schedule: str, me
     1F1B ``one_f_one_b_estimate``, else the floor. (0, 0) where nothing bounds the step: a split
     backward (its weight gradients need not wait), or a stage with no cost.
     """
-    sched, costs = _candidate_costs(problem, inter, schedule, method)
-    if sched.split_backward or sched.num_meshes != inter.num_stages or any(c is None for c in costs):
+    stages, costs = _candidate_costs(problem, inter, method)
+    if schedule in SPLIT_BACKWARD or _num_meshes(stages, schedule) is not None or any(c is None for c in costs):
         return 0.0, 0.0
     B = inter.num_microbatches
     links = [problem.exchanged_bytes(*st.layers) / bw for st, bw in zip(inter.stages, link_bandwidths(problem.cluster, inter.stages))]
@@ -957,7 +972,9 @@ def plan_pipeline(
                 continue
         _remember_variants(problem, cand, method)
         stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in cand.stages]
-        results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
+        results, timeline = plan_stages(
+            problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method, records=False
+        )
         try:
             check_memory(results, cluster)
         except InterOpError as err:
@@ -970,9 +987,9 @@ def plan_pipeline(
     problem.candidates = list(zip(candidates, floors, steps))
     if best is None:
         raise refused
-    _, _, chosen, results, timeline = best
+    _, _, chosen, results, _ = best
     _remember_variants(problem, chosen, method)  # re-plans (pins) of its stages use the same layouts
-    return problem, results, timeline
+    return problem, results, simulated_timeline(problem, results, schedule, num_microbatches)
 
 
 def _slicing(inter: InterOpPlan) -> tuple:

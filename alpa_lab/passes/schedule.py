@@ -50,6 +50,7 @@ Pure Python, no JAX: the schedule is a planning artifact, tested without devices
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ __all__ = [
     "KINDS",
     "PHASES",
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Instruction",
     "Schedule",
     "ScheduleError",
@@ -169,9 +171,16 @@ class Schedule:
     def num_meshes(self) -> int:
         return len(self.instructions)
 
-    @property
+    @functools.cached_property
+    def program(self) -> _Program:
+        """What each instruction waits for and an order to run them in (``simulate``'s work that does not
+        depend on the times: made once per schedule); raises ``ScheduleError`` if the lists deadlock."""
+        return _compile(self)
+
+    @functools.cached_property
     def split_backward(self) -> bool:
-        """Whether the backward is split into B and W (ZB) instead of one fused pass."""
+        """Whether the backward is split into B and W (ZB) instead of one fused pass
+        (for a schedule by name: ``SPLIT_BACKWARD``)."""
         return any(i.phase in (BACKWARD_INPUT, BACKWARD_WEIGHT) for prog in self.instructions for i in prog)
 
     def mesh(self, stage: int) -> int:
@@ -387,6 +396,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {  # in the order of plan.timeli
     "zb_h1": zb_h1,
 }
 _TAKES_NUM_MESHES = frozenset({"interleaved_1f1b"})  # several stages per mesh
+SPLIT_BACKWARD = frozenset({"zb_h1"})
+"""The schedules whose backward is split into B and W (``Schedule.split_backward``), known without building one."""
 
 
 def make_schedule(
@@ -463,12 +474,146 @@ def _where(schedule: Schedule, mesh: int) -> str:
     return f"mesh {mesh}" if schedule.mesh_of_stage else f"stage {mesh}"
 
 
+@dataclass(frozen=True)
+class _Program:
+    """A schedule's instruction lists compiled for timing: what each instruction waits for
+    and one order they can run in, worked out once (they do not depend on the times).
+
+    Instructions are numbered mesh by mesh in list order; index ``n`` (one past the last) is
+    a sentinel that finished at time 0. ``steps`` holds, in a feasible execution order, per
+    instruction: (index, previous instruction on its mesh, the dependency whose arrival
+    needs a link time added, that boundary (``len(link)`` for none: 0 s), the other
+    dependency, its duration slot (``num_stages * 4`` for zero-duration)). The peaks are
+    structural too: a stage's instructions all run in its mesh's list order.
+    """
+
+    steps: tuple[tuple[int, int, int, int, int, int], ...]
+    offsets: tuple[int, ...]  # first index of each mesh's list (and n at the end)
+    run_slots: tuple[tuple[int, int], ...]  # (index, duration slot) of every RUN
+    peak_in_flight: tuple[int, ...]
+    mesh_peak_in_flight: tuple[int, ...]
+    peak_unfreed: tuple[int, ...]
+    mesh_peak_unfreed: tuple[int, ...]
+
+
+_PHASE_SLOT = {FORWARD: 0, BACKWARD: 1, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 3}
+
+
+def _compile(schedule: Schedule) -> _Program:
+    """Walk every mesh's list as far as its inputs allow, round after round, recording what each
+    instruction waited for; if no mesh can advance while some still have instructions left,
+    the schedule deadlocks (whatever the times) and ``ScheduleError`` names them."""
+    S, P = schedule.num_stages, schedule.num_meshes
+    mesh_of = [schedule.mesh(s) for s in range(S)]
+    offsets = [0]
+    for prog in schedule.instructions:
+        offsets.append(offsets[-1] + len(prog))
+    n, none_link, zero = offsets[-1], max(S - 1, 0), 4 * S
+    pc = [0] * P
+    sent: dict[tuple[int | None, int, str, int], int] = {}  # (src, dst, phase, mb) -> the SEND
+    received: dict[tuple[int, str, int], int] = {}  # (stage, phase, mb) -> the RECV
+    ran: dict[tuple[int, str, int], int] = {}  # (stage, phase, mb) -> the RUN
+    steps: list[tuple[int, int, int, int, int, int]] = []
+    run_slots: list[tuple[int, int]] = []
+    in_flight, peak = [0] * S, [0] * S
+    unfreed, peak_unfreed = [0] * S, [0] * S
+    mesh_in_flight, mesh_peak = [0] * P, [0] * P
+    mesh_unfreed, mesh_peak_unfreed = [0] * P, [0] * P
+
+    def neighbour(s: int, other: int, phase: str, m: int) -> int | None:
+        """What brings stage ``other``'s output for (s, phase, m) to s's mesh."""
+        if mesh_of[other] == mesh_of[s]:
+            return ran.get((other, phase, m))
+        return received.get((s, phase, m))
+
+    progress = True
+    while progress:
+        progress = False
+        for p in range(P):
+            prog, base = schedule.instructions[p], offsets[p]
+            k = pc[p]
+            while k < len(prog):
+                ins = prog[k]
+                s, phase, m, kind = ins.stage, ins.phase, ins.microbatch, ins.kind
+                if not 0 <= s < S or mesh_of[s] != p:
+                    raise ScheduleError(f"instruction {ins} is in {_where(schedule, p)}'s list")
+                a, link, b = n, none_link, n
+                if kind == "RECV":
+                    found = sent.get((ins.peer, s, phase, m))
+                    if found is None:
+                        break
+                    a, link = found, min(s, ins.peer)  # type: ignore[type-var]
+                elif kind != "RUN":  # SEND, FREE: the data must exist, so its own RUN ran
+                    found = ran.get((s, phase, m))
+                    if found is None:
+                        break
+                    b = found
+                elif phase == FORWARD:
+                    if s > 0:
+                        found = neighbour(s, s - 1, FORWARD, m)
+                        if found is None:
+                            break
+                        b = found
+                elif phase == BACKWARD_WEIGHT:
+                    found = ran.get((s, BACKWARD_INPUT, m))
+                    if found is None:
+                        break
+                    b = found
+                else:
+                    found = ran.get((s, FORWARD, m))
+                    other = neighbour(s, s + 1, phase, m) if s < S - 1 else n
+                    if found is None or other is None:
+                        break
+                    a, b = found, other
+                i = base + k
+                slot = zero
+                if kind == "RUN":
+                    slot = _PHASE_SLOT[phase] * S + s
+                    ran[(s, phase, m)] = i
+                    run_slots.append((i, slot))
+                    if phase == FORWARD:
+                        in_flight[s] += 1
+                        unfreed[s] += 1
+                        mesh_in_flight[p] += 1
+                        mesh_unfreed[p] += 1
+                        peak[s] = max(peak[s], in_flight[s])
+                        peak_unfreed[s] = max(peak_unfreed[s], unfreed[s])
+                        mesh_peak[p] = max(mesh_peak[p], mesh_in_flight[p])
+                        mesh_peak_unfreed[p] = max(mesh_peak_unfreed[p], mesh_unfreed[p])
+                    elif phase in _GRAD_PHASES:
+                        in_flight[s] -= 1
+                        mesh_in_flight[p] -= 1
+                elif kind == "SEND":
+                    sent[(s, ins.peer, phase, m)] = i
+                elif kind == "RECV":
+                    received[(s, phase, m)] = i
+                else:
+                    unfreed[s] -= 1
+                    mesh_unfreed[p] -= 1
+                steps.append((i, i - 1 if k else n, a, link, b, slot))
+                k += 1
+                progress = True
+            pc[p] = k
+
+    stuck = [p for p in range(P) if pc[p] < len(schedule.instructions[p])]
+    if stuck:
+        detail = "; ".join(f"{_where(schedule, p)} waits at {schedule.instructions[p][pc[p]]}" for p in stuck)
+        what = "meshes" if schedule.mesh_of_stage else "stages"
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks: stuck {what} {stuck}: {detail}")
+    return _Program(
+        tuple(steps), tuple(offsets), tuple(run_slots), tuple(peak), tuple(mesh_peak), tuple(peak_unfreed),
+        tuple(mesh_peak_unfreed),
+    )
+
+
 def simulate(
     schedule: Schedule,
     forward_time: float | Sequence[float] = 1.0,
     backward_time: float | Sequence[float] = 2.0,
     transfer_time: float | Sequence[float] = 0.0,
     weight_time: float | Sequence[float] | None = None,
+    *,
+    records: bool = True,
 ) -> Timeline:
     """Run every mesh's list in order, each instruction as soon as its inputs exist.
 
@@ -478,9 +623,15 @@ def simulate(
     peer's matching SEND has executed plus ``transfer_time`` (one time, or one per boundary
     between stages b and b + 1: a link inside a host is faster than one between hosts). SENDs are non-blocking.
     There is no contention other than each mesh being sequential (across all its
-    stages), so computing each instruction's time by fixpoint over the meshes is exact. If
-    no mesh can advance while some still have instructions left, the schedule deadlocks
-    and ``ScheduleError`` names them.
+    stages), so each instruction's start is the later of its mesh's clock and its inputs'
+    arrival, worked out in an order where inputs come first: exact. If no mesh can
+    advance while some still have instructions left, the schedule deadlocks and
+    ``ScheduleError`` names them.
+
+    What waits for what is worked out once per schedule (``_compile``, kept on it), so a
+    search that simulates one schedule with many stage times pays for it once;
+    ``records=False`` leaves the per-instruction records out (the makespan and the other
+    figures are the same).
 
     Times are per (virtual) stage. ``weight_time`` chooses how the backward splits:
 
@@ -501,7 +652,6 @@ def simulate(
         b_time = bt
         w_time = _per_stage(weight_time, S, "weight_time")
         fused = tuple(b + w for b, w in zip(bt, w_time, strict=True))
-    duration = {FORWARD: ft, BACKWARD: fused, BACKWARD_INPUT: b_time, BACKWARD_WEIGHT: w_time}
     if isinstance(transfer_time, (int, float)):  # one time for every boundary, or one per boundary
         transfer_time = (transfer_time,) * max(S - 1, 0)
     link = tuple(float(t) for t in transfer_time)
@@ -509,111 +659,45 @@ def simulate(
         raise ValueError(f"transfer_time has {len(link)} entries for the {max(S - 1, 0)} boundaries of {S} stages")
     if any(not math.isfinite(t) or t < 0 for t in link):
         raise ValueError(f"transfer_time must be finite and >= 0, got {transfer_time}")
+    program = schedule.program
+    duration = [*ft, *fused, *b_time, *w_time, 0.0]  # by _PHASE_SLOT * S + stage; the last: zero
+    arrival = [*link, 0.0]
+    n = program.offsets[-1]
+    start, end = [0.0] * (n + 1), [0.0] * (n + 1)
+    for i, before, a, lk, b, slot in program.steps:
+        t = end[before]
+        x = end[a] + arrival[lk]
+        if x > t:
+            t = x
+        x = end[b]
+        if x > t:
+            t = x
+        start[i] = t
+        end[i] = t + duration[slot]
+
+    offsets = program.offsets
+    makespan = max((end[offsets[p + 1] - 1] for p in range(P) if offsets[p + 1] > offsets[p]), default=0.0)
+    busy = [0.0] * P
     mesh_of = [schedule.mesh(s) for s in range(S)]
-
-    pc = [0] * P
-    clock = [0.0] * P
-    records: list[list[TimelineRecord]] = [[] for _ in range(P)]
-    sent: dict[tuple[int | None, int, str, int], float] = {}  # (src, dst, phase, mb) -> arrival
-    received: dict[tuple[int, str, int], float] = {}  # (stage, phase, mb) -> time
-    ran: dict[tuple[int, str, int], float] = {}  # (stage, phase, mb) -> end time
-    in_flight, peak = [0] * S, [0] * S
-    unfreed, peak_unfreed = [0] * S, [0] * S
-    mesh_in_flight, mesh_peak = [0] * P, [0] * P
-    mesh_unfreed, mesh_peak_unfreed = [0] * P, [0] * P
-
-    def neighbour(s: int, other: int, phase: str, m: int) -> float | None:
-        """When stage ``other``'s output for (s, phase, m) is available on s's mesh."""
-        if mesh_of[other] == mesh_of[s]:
-            return ran.get((other, phase, m))
-        return received.get((s, phase, m))
-
-    def ready_time(ins: Instruction) -> float | None:
-        s, m = ins.stage, ins.microbatch
-        if ins.kind == "RECV":
-            return sent.get((ins.peer, s, ins.phase, m))
-        if ins.kind in ("SEND", "FREE"):
-            # Data to send / activations to free must exist: needs its own RUN.
-            return ran.get((s, ins.phase, m))
-        # RUN
-        deps: list[float | None] = []
-        if ins.phase == FORWARD:
-            if s > 0:
-                deps.append(neighbour(s, s - 1, FORWARD, m))
-        elif ins.phase == BACKWARD_WEIGHT:
-            deps.append(ran.get((s, BACKWARD_INPUT, m)))
-        else:
-            deps.append(ran.get((s, FORWARD, m)))
-            if s < S - 1:
-                deps.append(neighbour(s, s + 1, ins.phase, m))
-        if any(d is None for d in deps):
-            return None
-        return max(deps, default=0.0)  # type: ignore[type-var]
-
-    progress = True
-    while progress:
-        progress = False
-        for p in range(P):
-            prog = schedule.instructions[p]
-            while pc[p] < len(prog):
-                ins = prog[pc[p]]
-                s = ins.stage
-                if not 0 <= s < S or mesh_of[s] != p:
-                    raise ScheduleError(f"instruction {ins} is in {_where(schedule, p)}'s list")
-                t = ready_time(ins)
-                if t is None:
-                    break
-                start = max(clock[p], t)
-                key = (s, ins.phase, ins.microbatch)
-                if ins.kind == "RUN":
-                    end = start + duration[ins.phase][s]
-                    ran[key] = end
-                    if ins.phase == FORWARD:
-                        in_flight[s] += 1
-                        unfreed[s] += 1
-                        mesh_in_flight[p] += 1
-                        mesh_unfreed[p] += 1
-                        peak[s] = max(peak[s], in_flight[s])
-                        peak_unfreed[s] = max(peak_unfreed[s], unfreed[s])
-                        mesh_peak[p] = max(mesh_peak[p], mesh_in_flight[p])
-                        mesh_peak_unfreed[p] = max(mesh_peak_unfreed[p], mesh_unfreed[p])
-                    elif ins.phase in _GRAD_PHASES:
-                        in_flight[s] -= 1
-                        mesh_in_flight[p] -= 1
-                else:
-                    end = start
-                    if ins.kind == "SEND":
-                        sent[(s, ins.peer, ins.phase, ins.microbatch)] = start + link[min(s, ins.peer)]
-                    elif ins.kind == "RECV":
-                        received[key] = start
-                    else:
-                        unfreed[s] -= 1
-                        mesh_unfreed[p] -= 1
-                clock[p] = end
-                records[p].append(TimelineRecord(s, ins.kind, ins.phase, ins.microbatch, start, end, p))
-                pc[p] += 1
-                progress = True
-
-    stuck = [p for p in range(P) if pc[p] < len(schedule.instructions[p])]
-    if stuck:
-        detail = "; ".join(f"{_where(schedule, p)} waits at {schedule.instructions[p][pc[p]]}" for p in stuck)
-        what = "meshes" if schedule.mesh_of_stage else "stages"
-        raise ScheduleError(
-            f"schedule {schedule.name!r} deadlocks: stuck {what} {stuck}: {detail}"
-        )
-
-    makespan = max(clock, default=0.0)
-    busy = [sum(r.end - r.start for r in rs if r.kind == "RUN") for rs in records]
+    for i, slot in program.run_slots:
+        busy[mesh_of[slot % S]] += end[i] - start[i]
     bubble = 1.0 - sum(busy) / (P * makespan) if makespan > 0 else 0.0
+    kept: tuple[TimelineRecord, ...] = ()
+    if records:
+        kept = tuple(
+            TimelineRecord(ins.stage, ins.kind, ins.phase, ins.microbatch, start[i], end[i], p)
+            for p, prog in enumerate(schedule.instructions)
+            for i, ins in enumerate(prog, offsets[p])
+        )
     return Timeline(
-        records=tuple(r for rs in records for r in rs),
+        records=kept,
         makespan=makespan,
         bubble_fraction=bubble,
-        peak_in_flight=tuple(peak),
-        mesh_peak_in_flight=tuple(mesh_peak),
-        peak_unfreed=tuple(peak_unfreed),
+        peak_in_flight=program.peak_in_flight,
+        mesh_peak_in_flight=program.mesh_peak_in_flight,
+        peak_unfreed=program.peak_unfreed,
         mesh_bubble_fractions=tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy),
-        mesh_peak_unfreed=tuple(mesh_peak_unfreed),
+        mesh_peak_unfreed=program.mesh_peak_unfreed,
         transfer_time=max(link, default=0.0),
         transfer_times=link,
     )
@@ -787,7 +871,7 @@ def check(schedule: Schedule) -> ScheduleReport:
                 f"channel {_where(schedule, src)} -> {_where(schedule, dst)}: SENDs and RECVs do not "
                 f"match; unmatched ({what}): {unmatched}"
             )
-    timeline = simulate(schedule, 1.0, 2.0, 0.0)
+    timeline = simulate(schedule, 1.0, 2.0, 0.0, records=False)
     for src, dst in channels:
         sends, recvs = _channel(schedule, "SEND", src, dst), _channel(schedule, "RECV", src, dst)
         if sends != recvs:
