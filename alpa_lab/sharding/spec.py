@@ -11,6 +11,7 @@ The spec is pure data; it knows which tile every device holds and how to become 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -65,9 +66,7 @@ class ShardingSpec:
         return spec
 
     def __str__(self) -> str:
-        if not self.dims:
-            return "-"
-        return "".join("R" if not axes else "S" + "".join(map(str, axes)) for axes in self.dims)
+        return _text(self.dims)
 
     def __repr__(self) -> str:
         return f"ShardingSpec({self})"
@@ -99,14 +98,7 @@ class ShardingSpec:
 
     def is_valid_for(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
         """Same rank, every mesh axis used at most once, and each split axis divides evenly."""
-        if len(shape) != self.rank:
-            return False
-        used = self.mesh_axes_used
-        if len(used) != len(set(used)) or any(a >= len(mesh_shape) for a in used):
-            return False
-        return all(
-            size % math.prod(mesh_shape[a] for a in axes) == 0 for size, axes in zip(shape, self.dims)
-        )
+        return _fits(self.dims, tuple(shape), tuple(mesh_shape))
 
     def tile_shape(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(
@@ -198,3 +190,24 @@ def enumerate_specs(
                 specs.append(spec)
     specs.sort(key=lambda s: (len(s.mesh_axes_used), str(s)))
     return specs
+
+
+# Strategy enumeration asks these of the same few specs, shapes and meshes hundreds of thousands of
+# times per plan (every candidate of every op, on every logical mesh): answered once each.
+
+
+@functools.lru_cache(maxsize=65536)
+def _text(dims: tuple[MeshAxes, ...]) -> str:
+    if not dims:
+        return "-"
+    return "".join("R" if not axes else "S" + "".join(map(str, axes)) for axes in dims)
+
+
+@functools.lru_cache(maxsize=65536)
+def _fits(dims: tuple[MeshAxes, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    if len(shape) != len(dims):
+        return False
+    used = [a for axes in dims for a in axes]
+    if len(used) != len(set(used)) or any(a >= len(mesh_shape) for a in used):
+        return False
+    return all(size % math.prod(mesh_shape[a] for a in axes) == 0 for size, axes in zip(shape, dims))
