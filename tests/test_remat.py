@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import alpa_lab as al
@@ -252,3 +253,87 @@ def test_automatic_layering_keeps_the_users_checkpoint():
     out = jax.jit(as_function(traced(step_fn(True))))(*CHAIN_ARGS)
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _remat_bodies(step, args, layers=None) -> tuple[int, int]:
+    """(checkpoint calls, distinct bodies among them) in the step's jaxpr, traced as ``trace`` traces it."""
+    from alpa_lab.graph import markers
+
+    with auto_layers(layers, remat=True), markers.segment_labels():
+        jaxpr = jax.make_jaxpr(lambda *a: step(*a))(*args).jaxpr  # a new function: JAX caches traces by identity
+    bodies = [eqn.params["jaxpr"] for eqn in jaxpr.eqns if eqn.primitive.name in ("checkpoint", "remat", "remat2")]
+    return len(bodies), len({id(b) for b in bodies})
+
+
+def _traced_unshared(step, args, monkeypatch):
+    """The step traced with every checkpointed segment its own body (the reference for sharing)."""
+    from alpa_lab.graph import markers
+
+    with monkeypatch.context() as m:
+        m.setattr(markers, "_segment_key", lambda *a, **k: None)
+        with auto_layers(None, remat=True):
+            return al.trace(step, *args)
+
+
+def _same_program(a, b) -> None:
+    assert a.fingerprint == b.fingerprint  # ops, wiring, shapes, parameters
+    assert [(op.label, op.flops) for op in a.ops] == [(op.label, op.flops) for op in b.ops]
+    assert a.checkpoints == b.checkpoints
+
+
+def test_equal_layers_share_one_checkpointed_body_with_their_own_labels(monkeypatch):
+    """Under ``remat``, equal layers call one checkpointed function (JAX traces, differentiates and
+    transposes it once): the traced program, every op's module path included, is the one that
+    tracing each layer on its own gives, and it computes what plain JAX computes."""
+    ex = tiny_example("gpt")
+    with auto_layers(LAYERS, remat=True):
+        shared = al.trace(ex.train_step, *ex.args)
+    with monkeypatch.context() as m:
+        from alpa_lab.graph import markers
+
+        m.setattr(markers, "_segment_key", lambda *a, **k: None)
+        with auto_layers(LAYERS, remat=True):
+            unshared = al.trace(ex.train_step, *ex.args)
+    _same_program(shared, unshared)
+    for block in ("Block_0", "Block_1"):  # each block's ops keep their own path
+        assert any(f"/{block}/" in op.label and "transpose" in op.label for op in shared.ops), block
+    calls, bodies = _remat_bodies(ex.train_step, ex.args, LAYERS)
+    assert calls >= LAYERS and bodies < calls
+
+
+@pytest.mark.parametrize("differ", ["literal", "parameter", "nothing"])
+def test_layers_that_differ_in_a_constant_or_a_parameter_keep_their_own_body(differ, monkeypatch):
+    """Where sharing could lose: layers of equal shapes and ops that differ only in a literal (the
+    scale) or an op parameter (which side of the weight is contracted) must not share a body. Oracles:
+    plain JAX's step (numerics, rtol 1e-5) and the unshared trace (program, labels)."""
+
+    def layer(i, w, x):
+        if differ == "literal":
+            return jnp.tanh(x @ w) * (1.0 + i)
+        if differ == "parameter":
+            return jnp.tanh(jnp.einsum("bi,ij->bj" if i % 2 else "bi,ji->bj", x, w))
+        return jnp.tanh(x @ w) + x
+
+    def loss(ws, x):
+        for i, w in enumerate(ws):
+            if i:
+                x = al.mark_stage_boundary(x)
+            with jax.named_scope(f"layer_{i}"):
+                x = layer(i, w, x)
+        return jnp.mean(x**2)
+
+    step = sgd_step(loss)
+    with auto_layers(None, remat=True):
+        graph = al.trace(step, *CHAIN_ARGS)
+    _same_program(graph, _traced_unshared(step, CHAIN_ARGS, monkeypatch))
+    assert {f"layer_{i}" for i in range(LAYERS)} <= {p for op in graph.ops for p in op.label.split("/")}
+    from alpa_lab.graph.evaluate import as_function
+
+    ref = jax.jit(step)(*CHAIN_ARGS)
+    out = jax.jit(as_function(graph))(*CHAIN_ARGS)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    calls, bodies = _remat_bodies(step, CHAIN_ARGS)
+    # the literal differs in every layer; the contraction alternates (layers 1 and 3 differ only in the loss
+    # that follows the last): only the 'nothing' stack shares
+    assert calls == LAYERS and bodies == (calls if differ != "nothing" else 3)

@@ -285,16 +285,19 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
                 if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact):
                     env[v] = mark([env[v]], "boundary", f"layer{cuts[op.index]}")[0]
 
-    def produced(op: Op, outs: list[Any]) -> list[Any]:
+    def ran(op: Op) -> None:
         live.extend(op.outputs)
+
+    def produced(op: Op, outs: list[Any]) -> list[Any]:
+        ran(op)
         return outs
 
     def layered(*a: Any) -> Any:
         live.clear()
         if _REMAT.get():
-            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), on_output=produced, before=mark_cut)
+            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), ran=ran, before=mark_cut)
         elif graph.checkpoints:  # the user's own jax.checkpoint bodies stay checkpointed (cut at the layers)
-            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), on_output=produced,
+            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), ran=ran,
                                  before=mark_cut, regions=graph.checkpoints)
         else:
             # each op under its own module path, so labels (and the repeated-block reuse that
@@ -323,22 +326,27 @@ def _checkpointed(
     graph: Any,
     flat_args: Sequence[Any],
     starts: set[int],
-    on_output: Callable[[Op, list[Any]], list[Any]] | None = None,
+    ran: Callable[[Op], None] | None = None,
     before: Callable[[Op, MutableMapping[int, Any]], None] | None = None,
     regions: Sequence[tuple[int, int, Any, bool]] | None = None,
 ) -> list[Any]:
     """``evaluate(graph, ..., scoped=True)`` with each run of ops between boundary markers (and
     between the op indices in ``starts``) as one ``jax.checkpoint`` call; the markers run outside,
     so their mirrors in the backward still delimit the layers. With ``regions`` ((first, end, policy,
-    prevent_cse): the user's checkpoints, ``OpGraph.checkpoints``) only their ops are, with their policy."""
+    prevent_cse): the user's checkpoints, ``OpGraph.checkpoints``) only their ops are, with their policy.
+    ``ran(op)`` is called for each op once its outputs are in the environment.
+
+    Under ``trace`` (which keeps the labels, ``segment_labels``), runs of identical ops (a stack of
+    equal layers) call one function: JAX then traces, differentiates and transposes the body once
+    (its caches are keyed by the function), not once per layer, and ``trace`` puts each op's own
+    module path back on it."""
     env: dict[int, Any] = dict(graph.consts)
     env.update(graph.literals)
     env.update(zip(graph.invars, flat_args))
     K = len(graph.ops)
     last_use = last_uses(graph)
-
-    def bind(op: Op, args: list[Any]) -> list[Any]:
-        return bind_op(op, args, on_output, scoped=True)
+    labels = _SEGMENT_LABELS.get()
+    bodies: dict[Any, Callable[..., Any]] = {}
 
     region_of = np.zeros(K, dtype=np.int64)  # without regions every op is checkpointed; with them: -1 plain, r region r
     if regions is not None:
@@ -351,7 +359,9 @@ def _checkpointed(
             before(graph.ops[i], env)
         if _is_boundary(graph.ops[i]) or region_of[i] < 0:
             op = graph.ops[i]
-            env.update(zip(op.outputs, bind(op, [env[v] for v in op.inputs])))
+            env.update(zip(op.outputs, bind_op(op, [env[v] for v in op.inputs], scoped=True)))
+            if ran is not None:
+                ran(op)
             i += 1
             continue
         j = i + 1
@@ -362,17 +372,96 @@ def _checkpointed(
         made = {v for op in segment for v in op.outputs}
         ins = list(dict.fromkeys(v for op in segment for v in op.inputs if v not in made and v not in graph.literals))
         outs = [v for op in segment for v in op.outputs if last_use.get(v, -1) >= j]
-
-        def body(*values: Any, segment: Sequence[Op] = segment, ins: list[int] = ins, outs: list[int] = outs) -> list[Any]:
-            local: dict[int, Any] = dict(graph.literals)
-            local.update(zip(ins, values))
+        key = _segment_key(graph, segment, ins, outs, policy, prevent_cse) if labels is not None else None
+        if key is None or key not in bodies:
+            body = _segment_body(graph, segment, ins, outs, tokens=key is not None)
+            fn = jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)
+            if key is not None:
+                bodies[key] = fn
+        else:
+            fn = bodies[key]
+        if key is None:
+            values = fn(*[env[v] for v in ins])
+        else:
+            labels.append(tuple(op.label for op in segment))
+            with jax.named_scope(SEGMENT_TOKEN.format(len(labels) - 1)):
+                values = fn(*[env[v] for v in ins])
+        env.update(zip(outs, values))
+        if ran is not None:
             for op in segment:
-                local.update(zip(op.outputs, bind(op, [local[v] for v in op.inputs])))
-            return [local[v] for v in outs]
-
-        env.update(zip(outs, jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*[env[v] for v in ins])))
+                ran(op)
         i = j
     return [env[v] for v in graph.outvars]
+
+
+SEGMENT_TOKEN = "__alpa_segment_{}__"
+"""Name scope around a shared checkpointed segment's call: which segment (an index into ``segment_labels``)."""
+OP_TOKEN = "__alpa_op_{}__"
+"""Name scope of an op inside a shared segment's body: its position in the segment."""
+_SEGMENT_LABELS: contextvars.ContextVar[list[tuple[str, ...]] | None] = contextvars.ContextVar(
+    "alpa_lab_segment_labels", default=None
+)
+
+
+@contextlib.contextmanager
+def segment_labels() -> Iterator[list[tuple[str, ...]]]:
+    """Within this block, identical checkpointed segments share one body; the list gets each
+    segment call's op labels, for ``trace`` to resolve ``SEGMENT_TOKEN``/``OP_TOKEN`` scopes."""
+    labels: list[tuple[str, ...]] = []
+    token = _SEGMENT_LABELS.set(labels)
+    try:
+        yield labels
+    finally:
+        _SEGMENT_LABELS.reset(token)
+
+
+def _segment_body(graph: Any, segment: Sequence[Op], ins: list[int], outs: list[int], tokens: bool) -> Callable[..., list[Any]]:
+    """The ops of ``segment`` as a function of ``ins``' values returning ``outs``' values; each op under
+    its own module path, or (``tokens``: shared by equal segments) under its position's token."""
+
+    def body(*values: Any) -> list[Any]:
+        local: dict[int, Any] = dict(graph.literals)
+        local.update(zip(ins, values))
+        for n, op in enumerate(segment):
+            args = [local[v] for v in op.inputs]
+            if tokens:
+                with jax.named_scope(OP_TOKEN.format(n)):
+                    out = bind_op(op, args)
+            else:
+                out = bind_op(op, args, scoped=True)
+            local.update(zip(op.outputs, out))
+        return [local[v] for v in outs]
+
+    return body
+
+
+def _segment_key(
+    graph: Any, segment: Sequence[Op], ins: list[int], outs: list[int], policy: Any, prevent_cse: bool
+) -> tuple | None:
+    """What a segment's body computes, exactly: its ops (primitive, every parameter with its type),
+    their wiring, literal values bit for bit, which values it returns, and its checkpoint's policy.
+    Equal keys: one body serves both. None: a parameter is not hashable (that segment is not shared)."""
+    where = {v: ("in", k) for k, v in enumerate(ins)}
+    parts: list[Any] = [len(ins), policy, prevent_cse]
+    for n, op in enumerate(segment):
+        refs = []
+        for v in op.inputs:
+            if v in graph.literals:
+                val = np.asarray(graph.literals[v])
+                refs.append(("literal", type(graph.literals[v]).__name__, val.dtype.str, val.tobytes()))
+            else:
+                refs.append(where[v])
+        params = tuple((k, type(p), p) for k, p in sorted(op.params.items()))
+        parts.append((op.bind, params, tuple(refs)))
+        for k, v in enumerate(op.outputs):
+            where[v] = (n, k)
+    parts.append(tuple(where[v] for v in outs))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _is_boundary(op: Op) -> bool:

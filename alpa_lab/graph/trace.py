@@ -17,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from alpa_lab._gc import quiet_gc
@@ -46,6 +49,10 @@ ELEMENTWISE_FLOP_FREE = {
     "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "select_n",
     "copy", "copy_p", "stop_gradient", "iota", "rev", "pipeline_marker",
 }
+
+
+_SEGMENT_RE = re.compile(re.escape(markers.SEGMENT_TOKEN).replace(r"\{\}", r"(\d+)"))
+_OP_RE = re.compile(re.escape(markers.OP_TOKEN).replace(r"\{\}", r"(\d+)"))
 
 
 class TraceError(ValueError):
@@ -91,7 +98,8 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
 
     try:
         # return_shape: the output structure from the same trace (eval_shape would trace again)
-        closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
+        with markers.segment_labels() as segments:
+            closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
     except markers.BoundaryFound:  # for ``trace`` to trace again, cutting
         raise
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
@@ -101,7 +109,7 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
         ) from exc
     flat_args, in_tree = jax.tree_util.tree_flatten_with_path(args)
     flat_out, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
-    builder = _Builder(traced_consts)
+    builder = _Builder(traced_consts, segments)
     env: dict[Any, int] = {}
     invars = []
     try:
@@ -136,8 +144,9 @@ def _path_str(path: tuple) -> str:
 
 
 class _Builder:
-    def __init__(self, traced_consts: bool = False) -> None:
+    def __init__(self, traced_consts: bool = False, segments: Sequence[tuple[str, ...]] = ()) -> None:
         self.traced_consts = traced_consts
+        self.segments = segments
         self.vars: list[Var] = []
         self.ops: list[Op] = []
         self.consts: dict[int, Any] = {}
@@ -180,9 +189,31 @@ class _Builder:
             return self.new_var(v.aval, "literal", value=v.val)
         return env[v]
 
-    def emit_jaxpr(self, jaxpr: Any, env: dict, prefix: str) -> None:
+    def name_stack(self, eqn: Any, segment: int | None) -> tuple[str, int | None]:
+        """``eqn``'s module path, and the shared segment it belongs to (``markers._checkpointed``): a
+        segment's token scope is dropped and each op token becomes the path of the op at that position
+        in that segment's call, so an op of a shared body reads as it would have unshared."""
+        stack = eqn.source_info.name_stack
+        if not self.segments:
+            return str(stack), segment
+        elems = []
+        for e in stack.stack:
+            if isinstance(e, source_info_util.Scope):
+                if m := _SEGMENT_RE.fullmatch(e.name):
+                    segment = int(m.group(1))
+                    continue
+                if segment is not None and (m := _OP_RE.fullmatch(e.name)):
+                    label = self.segments[segment][int(m.group(1))]
+                    if label:
+                        elems.append(source_info_util.Scope(label))
+                    continue
+            elems.append(e)
+        return str(source_info_util.NameStack(tuple(elems))), segment
+
+    def emit_jaxpr(self, jaxpr: Any, env: dict, prefix: str, segment: int | None = None) -> None:
+        """Ops for ``jaxpr``'s equations; ``segment``: the shared segment whose call this body is."""
         for eqn in jaxpr.eqns:
-            name_stack = str(eqn.source_info.name_stack)
+            name_stack, inner_segment = self.name_stack(eqn, segment)
             label = "/".join(p for p in (prefix, name_stack) if p)
             prim = eqn.primitive.name
             if prim in INLINED_CALLS and INLINED_CALLS[prim] in eqn.params:
@@ -200,7 +231,7 @@ class _Builder:
                 outermost = prim in ("checkpoint", "remat", "remat2") and not self._in_checkpoint
                 first = len(self.ops)
                 self._in_checkpoint |= outermost
-                self.emit_jaxpr(inner, inner_env, "/".join(p for p in (label, sub) if p))
+                self.emit_jaxpr(inner, inner_env, "/".join(p for p in (label, sub) if p), inner_segment)
                 if outermost:
                     self._in_checkpoint = False
                     if len(self.ops) > first:
