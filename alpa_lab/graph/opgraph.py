@@ -16,6 +16,11 @@ from typing import Any
 import numpy as np
 
 
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize  # parsing the name is most of the cost: once per dtype
+
+
 @dataclass(frozen=True)
 class Var:
     """A tensor of the graph.
@@ -34,7 +39,7 @@ class Var:
 
     @functools.cached_property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+        return _itemsize(self.dtype)
 
     @functools.cached_property
     def nbytes(self) -> int:

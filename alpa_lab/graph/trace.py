@@ -15,6 +15,7 @@ markers on the tensors crossing each such point (see ``graph.markers``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -177,7 +178,7 @@ class _Builder:
 
     def new_var(self, aval: Any, kind: str, producer: int | None = None, name: str = "", value: Any = None) -> int:
         vid = len(self.vars)
-        self.vars.append(Var(vid, tuple(map(int, aval.shape)), np.dtype(aval.dtype).name, kind, producer, name))
+        self.vars.append(Var(vid, tuple(map(int, aval.shape)), _dtype_name(aval.dtype), kind, producer, name))
         if kind == "const":
             self.consts[vid] = value
         elif kind == "literal":
@@ -250,6 +251,7 @@ class _Builder:
             self.counts[prim] = k + 1
             in_vars = [self.vars[i] for i in inputs]
             out_vars = [self.vars[i] for i in outputs]
+            params = dict(eqn.params)
             self.ops.append(
                 Op(
                     index=index,
@@ -257,13 +259,18 @@ class _Builder:
                     primitive=prim,
                     inputs=inputs,
                     outputs=outputs,
-                    params=dict(eqn.params),
-                    flops=op_flops(prim, dict(eqn.params), in_vars, out_vars),
+                    params=params,
+                    flops=op_flops(prim, params, in_vars, out_vars),
                     bytes_accessed=float(sum(v.nbytes for v in in_vars + out_vars)),
                     label=label,
                     bind=eqn.primitive,
                 )
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
 
 
 def op_flops(prim: str, params: dict, ins: list[Var], outs: list[Var]) -> float:
