@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
@@ -207,8 +208,7 @@ def build_strategy_graph(
         nodes.append(PlanningNode(name, var.kind, strategy_cache[key], var=vid))
 
     unplanned = []
-    for op in graph.ops:
-        key = _op_key(op, graph)
+    for op, key in zip(graph.ops, _op_keys(graph)):
         if key not in strategy_cache:
             strategy_cache[key] = tuple(strategies_for(op, graph, mesh))
         if not has_rule(op.primitive):
@@ -324,13 +324,14 @@ def _same_structure(a: OpGraph, b: OpGraph) -> bool:
     for u, v in zip(a.vars, b.vars):
         if (u.shape, u.dtype, u.kind, u.producer) != (v.shape, v.dtype, v.kind, v.producer):
             return False
+    keys_a, keys_b = _op_keys(a), _op_keys(b)
     for x, y in zip(a.ops, b.ops):
         if (x.primitive, x.inputs, x.outputs) != (y.primitive, y.inputs, y.outputs):
             return False
         if x.primitive == "pipeline_marker":
             if x.params["kind"] != y.params["kind"]:
                 return False
-        elif _op_key(x, a) != _op_key(y, b):
+        elif keys_a[x.index] != keys_b[y.index]:
             return False
     return True
 
@@ -372,6 +373,17 @@ def _storage_strategies(var: Var, mesh: LogicalMesh, per_step: bool) -> tuple[St
         load = tile / mesh.host_to_device_bandwidth if per_step else 0.0
         out.append(Strategy(str(spec), (spec,), (), load, 0.0, tile))
     return tuple(out)
+
+
+_OP_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _op_keys(graph: OpGraph) -> tuple[tuple, ...]:
+    """Every op's ``_op_key``, worked out once per graph: a layer's graph is built on every logical mesh."""
+    keys = _OP_KEYS.get(graph)
+    if keys is None:
+        keys = _OP_KEYS[graph] = tuple(_op_key(op, graph) for op in graph.ops)
+    return keys
 
 
 def _op_key(op: Op, graph: OpGraph) -> tuple:

@@ -86,11 +86,11 @@ class ShardingSpec:
 
     @property
     def mesh_axes_used(self) -> tuple[int, ...]:
-        return tuple(a for axes in self.dims for a in axes)
+        return _axes_used(self.dims)
 
     def num_shards(self, mesh_shape: tuple[int, ...]) -> int:
         """Number of distinct tiles: the product of the sizes of the mesh axes used."""
-        return math.prod(mesh_shape[a] for a in self.mesh_axes_used)
+        return _num_shards(self.dims, tuple(mesh_shape))
 
     def replication(self, mesh_shape: tuple[int, ...]) -> int:
         """How many devices hold each tile."""
@@ -211,3 +211,13 @@ def _fits(dims: tuple[MeshAxes, ...], shape: tuple[int, ...], mesh_shape: tuple[
     if len(used) != len(set(used)) or any(a >= len(mesh_shape) for a in used):
         return False
     return all(size % math.prod(mesh_shape[a] for a in axes) == 0 for size, axes in zip(shape, dims))
+
+
+@functools.lru_cache(maxsize=65536)
+def _axes_used(dims: tuple[MeshAxes, ...]) -> tuple[int, ...]:
+    return tuple(a for axes in dims for a in axes)
+
+
+@functools.lru_cache(maxsize=65536)
+def _num_shards(dims: tuple[MeshAxes, ...], mesh_shape: tuple[int, ...]) -> int:
+    return math.prod(mesh_shape[a] for a in _axes_used(dims))
