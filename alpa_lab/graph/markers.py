@@ -373,19 +373,16 @@ def _checkpointed(
         ins = list(dict.fromkeys(v for op in segment for v in op.inputs if v not in made and v not in graph.literals))
         outs = [v for op in segment for v in op.outputs if last_use.get(v, -1) >= j]
         key = _segment_key(graph, segment, ins, outs, policy, prevent_cse) if labels is not None else None
-        if key is None or key not in bodies:
-            body = _segment_body(graph, segment, ins, outs, tokens=key is not None)
-            fn = jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)
-            if key is not None:
-                bodies[key] = fn
-        else:
-            fn = bodies[key]
-        if key is None:
-            values = fn(*[env[v] for v in ins])
-        else:
+        if key is None:  # a body of its own, its ops under their module paths
+            body = _segment_body(graph, segment, ins, outs, tokens=False)
+            values = jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*[env[v] for v in ins])
+        else:  # the body equal segments share, called under this segment's token
+            if key not in bodies:
+                body = _segment_body(graph, segment, ins, outs, tokens=True)
+                bodies[key] = jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)
             labels.append(tuple(op.label for op in segment))
             with jax.named_scope(SEGMENT_TOKEN.format(len(labels) - 1)):
-                values = fn(*[env[v] for v in ins])
+                values = bodies[key](*[env[v] for v in ins])
         env.update(zip(outs, values))
         if ran is not None:
             for op in segment:
