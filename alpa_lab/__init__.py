@@ -31,6 +31,7 @@ from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 
 _LAZY = {
     "InfeasibleError": "alpa_lab.passes.ilp",
+    "InterOpError": "alpa_lab.passes.inter_op",
     "METHODS": "alpa_lab.passes.methods",
     "MethodError": "alpa_lab.passes.methods",
     "ParallelizedStep": "alpa_lab.api",
@@ -65,6 +66,7 @@ __all__ = [
     "ClusterSpec",
     "DeviceError",
     "InfeasibleError",
+    "InterOpError",
     "LaunchError",
     "LogicalMesh",
     "MeshWorkerError",

@@ -59,6 +59,23 @@ def test_calibration_measures_and_is_reused(calibrated):
         al.ClusterSpec.calibrate(4, 4)
 
 
+def test_device_memory_is_the_backends_where_it_reports_one(calibrated, tmp_path):
+    """A GPU's backend reports what a program may allocate (``memory_stats()["bytes_limit"]``): the calibration
+    keeps it and the cluster plans eq. 5 against it. CPU devices report none: the spec's own figure stays."""
+    import jax
+
+    from alpa_lab.cost.calibrate import _device_memory
+
+    assert _device_memory(jax.devices()[:4]) is None  # the real CPU backend: no allocation limit
+    assert calibrated.device_memory == al.ClusterSpec.local(2, 4, calibrated=False).device_memory
+    gpu = _fake("process", 1, 1, 3e14, device_memory=6.4e10)
+    gpu = Calibration(**{**gpu.__dict__, "platform": "gpu"})
+    gpu.save(tmp_path / "gpu.json")
+    back = load_calibration(tmp_path / "gpu.json")
+    assert back == gpu and back.apply(al.ClusterSpec.local(1, 1, calibrated=False)).device_memory == 6.4e10
+    assert _fake("process", 1, 1, 3e14).apply(al.ClusterSpec.local(1, 1, calibrated=False)).device_memory == 16e9
+
+
 def _fake(runtime: str, hosts: int, per_host: int, flops: float, **kw) -> Calibration:
     return Calibration("cpu", hosts * per_host, flops, 1e9, 1e-6, 1e-5, 1e9, 1e-6, hosts=hosts, devices_per_host=per_host,
                        runtime=runtime, **kw)

@@ -548,3 +548,21 @@ def test_split_backward_schedules_by_name():
     for name in SCHEDULES:
         sched = make_schedule(name, 2, 2, num_meshes=1) if name == "interleaved_1f1b" else make_schedule(name, 2, 2)
         assert sched.split_backward == (name in SPLIT_BACKWARD)
+
+
+def test_a_backward_of_weight_gradients_only_simulates_split():
+    """Split backward (zb_h1): a stage whose backward is all weight gradients (the first stage of an MLP) has
+    backward - weight-gradient time = a rounding error, which may come out as -5e-23 (it did with JAX 0.11):
+    the schedule simulates it as 0, not as a negative time it refuses."""
+    import alpa_lab as al
+    from alpa_lab.models import tiny_example
+    from alpa_lab.passes.pipeline import simulated_timeline
+
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4), microbatches=4, layers=4, schedule="zb_h1")
+    plan = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 2), (1, 2)])
+    problem = plan._require_problem()
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], backward_time=stages[0].weight_gradient_time - 1e-22)
+    timeline = simulated_timeline(problem, stages, "zb_h1", 4)
+    assert timeline.makespan > 0

@@ -7,7 +7,9 @@ them at once* (so devices that share cores are measured sharing them), and retur
 ``ClusterSpec`` fields it measured:
 
 - ``device_flops``: a batched matmul, one block per device;
-- ``memory_bandwidth``: elementwise passes over a layer-sized array (in cache) per device;
+- ``memory_bandwidth``: elementwise passes over an array per device;
+- ``device_memory``: what the backend lets a program allocate on a device, where it says
+  (``Device.memory_stats``; GPUs do, CPU devices do not and keep the spec's figure);
 - ``op_overhead``: what one traced operator costs beyond its FLOPs and bytes (dispatch,
   loop set-up, a fusion's launch), fitted on a reference program, a small MLP's training
   step, whose ops are counted as the planner counts them (``graph.trace``);
@@ -18,6 +20,11 @@ them at once* (so devices that share cores are measured sharing them), and retur
 
 - ``host_to_device_bandwidth``: a batch-sized host array put on the devices, each device
   receiving its tile (what the planner charges a batch argument every step).
+
+The sizes depend on the platform (``_SIZES``): simulated CPU devices are measured at the sizes
+a small model's tensors have (in cache, sharing the host's cores), an accelerator at sizes
+that saturate it (a GPU's launch costs nothing next to an 8192-wide matmul), since what
+is left of a small op's time there is its launch, which ``op_overhead`` measures.
 
 On one process all devices share one host, so the inter-host link is measured as the same
 as the intra-host one; ``fit_transfer`` fits a Ray cluster's host-to-host transfer
@@ -74,13 +81,15 @@ class Calibration:
     """the fixed cost of one cross-mesh message between mesh workers (the transfer's alpha)"""
     host_to_device_bandwidth: float | None = None
     """bytes/s of a host array put on the devices, per device's tile (None: not measured, the spec's own kept)"""
+    device_memory: float | None = None
+    """bytes a program may allocate on one device, as the backend reports it (None: not reported, the spec's own kept)"""
     hosts: int | None = None
     """the cluster shape and runtime it was saved for (None: not recorded, an older file)"""
     devices_per_host: int | None = None
     runtime: str | None = None
 
     def apply(self, spec: ClusterSpec) -> ClusterSpec:
-        """``spec`` with the measured numbers in place of its own (hosts and memory stay)."""
+        """``spec`` with the measured numbers in place of its own (hosts stay; memory where the backend reports none)."""
         return replace(
             spec,
             device_flops=self.device_flops,
@@ -93,6 +102,7 @@ class Calibration:
             inter_host_latency=self.intra_host_latency if self.inter_host_latency is None else self.inter_host_latency,
             transfer_overhead=spec.transfer_overhead if self.transfer_overhead is None else self.transfer_overhead,
             host_to_device_bandwidth=spec.host_to_device_bandwidth if not self.host_to_device_bandwidth else self.host_to_device_bandwidth,
+            device_memory=self.device_memory or spec.device_memory,
             name=f"{spec.name} (calibrated)" if "calibrated" not in spec.name else spec.name,
         )
 
@@ -174,6 +184,24 @@ def _fastest_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return max(min(times), 1e-9)
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """Microbenchmark sizes: an m x m x m matmul, ``passes`` elementwise passes over ``elems`` float32, per device."""
+
+    matmul: int
+    passes: int
+    elems: int
+
+
+_SIZES = {"cpu": _Sizes(matmul=384, passes=500, elems=16 * 1024)}
+"""simulated CPU devices: the sizes a small model's layer has (64 KiB per device, in cache), kept short since
+the devices share the host's cores"""
+_ACCELERATOR = _Sizes(matmul=8192, passes=10, elems=1 << 27)
+"""GPUs and other accelerators: sizes that saturate the device (a 512 MiB array per pass, so a loop
+iteration's own cost is a few percent of it); what a small op costs beyond its FLOPs and bytes there is its
+launch, measured by ``op_overhead``"""
+
+
 def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     """Microbenchmarks on ``devices`` (default: every device JAX sees here), all of them at once."""
     import jax
@@ -189,15 +217,17 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     def spread(shape: tuple[int, ...]) -> Any:
         return jax.device_put(np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32), per_device)
 
+    sizes = _SIZES.get(devices[0].platform, _ACCELERATOR)
+
     # FLOP rate: one m x m matmul per device, concurrently
-    m = 384
+    m = sizes.matmul
     a, b = spread((m, m)), spread((m, m))
     matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b), out_shardings=per_device)
     flops = 2 * m**3 / _median_seconds(lambda: matmul(a, b), repeats)
 
-    # memory bandwidth at the sizes a layer's tensors have (64 KiB per device, in cache): a loop of
-    # elementwise passes inside one program, so the call's dispatch is spread over many passes
-    passes, elems = 500, 16 * 1024
+    # memory bandwidth: a loop of elementwise passes inside one program, so the call's dispatch is spread
+    # over many passes
+    passes, elems = sizes.passes, sizes.elems
     x = spread((elems,))
     axpy = jax.jit(lambda x: jax.lax.fori_loop(0, passes, lambda _, y: y * 0.999 + 0.001, x), out_shardings=per_device)
     bandwidth = 2 * 4 * elems * passes / _median_seconds(lambda: axpy(x), repeats)
@@ -253,7 +283,22 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
         intra_host_latency=float(intra_lat),
         seconds=time.perf_counter() - t_start,
         host_to_device_bandwidth=float(h2d),
+        device_memory=_device_memory(devices),
     )
+
+
+def _device_memory(devices: list) -> float | None:
+    """The smallest per-device allocation limit the backend reports (GPUs: ``bytes_limit``); None where it reports none."""
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - CPU backends may raise instead of returning None
+            stats = {}
+        if not stats.get("bytes_limit"):
+            return None
+        limits.append(float(stats["bytes_limit"]))
+    return min(limits) if limits else None
 
 
 def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float, task_overhead: float, repeats: int) -> float:

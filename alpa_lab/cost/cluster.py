@@ -115,8 +115,9 @@ class ClusterSpec:
     @classmethod
     def calibrate(cls, hosts: int = 1, devices_per_host: int | None = None, *, save: bool = True, repeats: int = 7) -> ClusterSpec:
         """Measure this process's devices (compute rate, memory bandwidth, per-op cost, all-reduce alpha and
-        beta, host-to-device copies) and return a local cluster that plans with the measurements; saved for
-        ``local()`` to reuse.
+        beta, host-to-device copies, and the memory a device offers where the backend says) and return a
+        cluster that plans with the measurements; saved for ``local()`` to reuse (simulated CPU devices).
+        On a GPU box the devices are JAX's GPUs and the cluster is named after them (``gpu:1x1``).
 
         One host's devices (the first ``devices_per_host``) are measured, all at once: a stage's
         sub-mesh lies within a host in most plans, and simulated CPU devices share the machine's
@@ -137,7 +138,10 @@ class ClusterSpec:
                          runtime="process")
         if save:
             result.save(calibration_path(result.platform, hosts, devices_per_host, "process"))
-        return result.apply(cls.local(hosts, devices_per_host, calibrated=False))
+        base = cls.local(hosts, devices_per_host, calibrated=False)
+        if result.platform != "cpu":  # real devices (a GPU box): the plan is for them, not for simulated ones
+            base = replace(base, name=f"{result.platform}:{hosts}x{devices_per_host}", simulated=False)
+        return result.apply(base)
 
     @classmethod
     def preset(cls, name: str, hosts: int = 1) -> ClusterSpec:

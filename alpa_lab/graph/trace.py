@@ -103,6 +103,8 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
             closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
     except markers.BoundaryFound:  # for ``trace`` to trace again, cutting
         raise
+    except jax.errors.UnexpectedTracerError as exc:  # newer JAX finds the leak while tracing (older: _Builder.const)
+        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {_LEAKED}") from exc
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: "
@@ -144,6 +146,13 @@ def _path_str(path: tuple) -> str:
     return jax.tree_util.keystr(path) or "[]"
 
 
+_LEAKED = (
+    "a traced value escaped its transformation, e.g. a custom_vjp/custom_jvp function closing over an array "
+    "computed inside the step (JAX raises UnexpectedTracerError when running it); pass that array as an "
+    "argument, or use jax.closure_convert"
+)
+
+
 class _Builder:
     def __init__(self, traced_consts: bool = False, segments: Sequence[tuple[str, ...]] = ()) -> None:
         self.traced_consts = traced_consts
@@ -164,11 +173,7 @@ class _Builder:
         """
         is_tracer = isinstance(value, jax.core.Tracer)
         if is_tracer and not self.traced_consts:
-            raise TraceError(
-                f"it closes over a traced value ({type(value).__name__} {aval.str_short()}) that escaped "
-                "its transformation, e.g. a custom_vjp/custom_jvp function closing over an array computed "
-                "inside the step (JAX raises UnexpectedTracerError when running it; use jax.closure_convert)"
-            )
+            raise TraceError(f"it closes over a traced value ({type(value).__name__} {aval.str_short()}): {_LEAKED}")
         seen = self._const_ids.get(id(value))
         if seen is not None and seen[0] is value:
             return seen[1]

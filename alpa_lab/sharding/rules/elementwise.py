@@ -30,6 +30,7 @@ UNARY = (
     "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "acosh", "asinh", "atanh",
     "expm1", "imag", "real", "conj", "reduce_precision", "lgamma", "digamma", "bessel_i0e",
     "bessel_i1e", "population_count", "clz", "bitcast_convert_type",
+    "one_minus_square",  # 1 - x*x: tanh's derivative in newer JAX
 )
 MARKERS = ("pipeline_marker",)
 """``alpa_lab.graph.markers``: the identity on each operand, so output i follows input i."""
