@@ -114,6 +114,8 @@ class Instruction:
     peer: int | None = None
 
     def __post_init__(self) -> None:
+        if (self.kind, self.phase, self.peer is None) in _VALID_INSTRUCTIONS:
+            return  # the common case in one lookup: schedules are made of 100,000s of these
         if self.kind not in KINDS:
             raise ValueError(f"unknown instruction kind {self.kind!r}; known: {KINDS}")
         if self.phase not in PHASES:
@@ -128,6 +130,12 @@ class Instruction:
         elif self.kind == "RECV":
             s += f" from stage {self.peer}"
         return s
+
+
+_VALID_INSTRUCTIONS = frozenset(
+    (kind, phase, kind in ("RUN", "FREE")) for kind in KINDS for phase in PHASES
+)
+"""(kind, phase, peer is None) of every well-formed instruction"""
 
 
 @dataclass(frozen=True)
@@ -234,28 +242,29 @@ def _lower(order: Sequence[tuple[int, str, int]], mesh_of: Sequence[int]) -> tup
     """
     out: list[Instruction] = []
     last = len(mesh_of) - 1
-
-    def remote(a: int, b: int) -> bool:
-        return 0 <= b <= last and mesh_of[a] != mesh_of[b]
+    # per stage: whether its previous / next stage lives on another mesh (data must travel)
+    before = [s > 0 and mesh_of[s] != mesh_of[s - 1] for s in range(last + 1)]
+    after = [s < last and mesh_of[s] != mesh_of[s + 1] for s in range(last + 1)]
+    add = out.append
 
     for stage, phase, m in order:
         if phase == FORWARD:
-            if remote(stage, stage - 1):
-                out.append(Instruction("RECV", stage, m, FORWARD, stage - 1))
-            out.append(Instruction("RUN", stage, m, FORWARD))
-            if remote(stage, stage + 1):
-                out.append(Instruction("SEND", stage, m, FORWARD, stage + 1))
+            if before[stage]:
+                add(Instruction("RECV", stage, m, FORWARD, stage - 1))
+            add(Instruction("RUN", stage, m, FORWARD))
+            if after[stage]:
+                add(Instruction("SEND", stage, m, FORWARD, stage + 1))
         elif phase == BACKWARD_WEIGHT:
-            out.append(Instruction("RUN", stage, m, BACKWARD_WEIGHT))
-            out.append(Instruction("FREE", stage, m, BACKWARD_WEIGHT))
+            add(Instruction("RUN", stage, m, BACKWARD_WEIGHT))
+            add(Instruction("FREE", stage, m, BACKWARD_WEIGHT))
         else:  # BACKWARD (fused: FREE at once) or BACKWARD_INPUT (FREE waits for W)
-            if remote(stage, stage + 1):
-                out.append(Instruction("RECV", stage, m, phase, stage + 1))
-            out.append(Instruction("RUN", stage, m, phase))
+            if after[stage]:
+                add(Instruction("RECV", stage, m, phase, stage + 1))
+            add(Instruction("RUN", stage, m, phase))
             if phase == BACKWARD:
-                out.append(Instruction("FREE", stage, m, BACKWARD))
-            if remote(stage, stage - 1):
-                out.append(Instruction("SEND", stage, m, phase, stage - 1))
+                add(Instruction("FREE", stage, m, BACKWARD))
+            if before[stage]:
+                add(Instruction("SEND", stage, m, phase, stage - 1))
     return tuple(out)
 
 
@@ -751,6 +760,7 @@ def _check_stage(schedule: Schedule, s: int, split: bool) -> None:
     last = BACKWARD_WEIGHT if split else BACKWARD  # the last pass that needs the activations
     runs = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (FORWARD, BACKWARD)
     prog = _stage_program(schedule, s)
+    remote = {s - 1: _remote(schedule, s, s - 1), s + 1: _remote(schedule, s, s + 1)}  # the only peers a message may name
     count: dict[tuple[str, str, int], int] = {}
     for ins in prog:
         if not 0 <= ins.microbatch < M:
@@ -768,25 +778,26 @@ def _check_stage(schedule: Schedule, s: int, split: bool) -> None:
                     f"{ins}: a {ins.phase} {ins.kind} of stage {s} must pair with stage {expect}"
                     + ("" if 0 <= expect < S else " (no such stage)")
                 )
-            if not _remote(schedule, s, expect):
+            if not remote[expect]:
                 raise ScheduleError(
                     f"{ins}: stages {s} and {expect} share mesh {schedule.mesh(s)}; "
                     "they hand data over in memory, without SEND/RECV"
                 )
         key = (ins.kind, ins.phase, ins.microbatch)
         count[key] = count.get(key, 0) + 1
-    for (kind, phase, m), n in sorted(count.items()):
-        if n > 1:
-            raise ScheduleError(f"stage {s} has {kind} {phase} of micro-batch {m} {n} times")
+    duplicated = [key for key, n in count.items() if n > 1]
+    if duplicated:
+        kind, phase, m = min(duplicated)
+        raise ScheduleError(f"stage {s} has {kind} {phase} of micro-batch {m} {count[kind, phase, m]} times")
     for m in range(M):
         for phase in runs:
             if ("RUN", phase, m) not in count:
                 raise ScheduleError(f"missing {phase} of (stage {s}, micro-batch {m})")
         if ("FREE", last, m) not in count:
             raise ScheduleError(f"missing FREE of (stage {s}, micro-batch {m})")
-        if _remote(schedule, s, s - 1) and ("RECV", FORWARD, m) not in count:
+        if remote[s - 1] and ("RECV", FORWARD, m) not in count:
             raise ScheduleError(f"missing RECV forward of (stage {s}, micro-batch {m}) from stage {s - 1}")
-        if _remote(schedule, s, s + 1) and ("RECV", grad, m) not in count:
+        if remote[s + 1] and ("RECV", grad, m) not in count:
             raise ScheduleError(f"missing RECV {grad} of (stage {s}, micro-batch {m}) from stage {s + 1}")
     if any(k[0] == "FREE" and k[1] != last for k in count):
         raise ScheduleError(f"stage {s}: FREE must carry phase {last!r} (it follows the {last})")
@@ -826,9 +837,10 @@ def _channel(schedule: Schedule, kind: str, src: int, dst: int) -> list[tuple]:
     names the pair of stages), else (source stage, destination stage, phase, micro-batch).
     """
     side, peer = (src, dst) if kind == "SEND" else (dst, src)
+    mesh_of = [schedule.mesh(st) for st in range(schedule.num_stages)]
     out: list[tuple] = []
     for i in schedule.instructions[side]:
-        if i.kind == kind and i.peer is not None and schedule.mesh(i.peer) == peer:
+        if i.kind == kind and i.peer is not None and mesh_of[i.peer] == peer:
             edge = (i.stage, i.peer) if kind == "SEND" else (i.peer, i.stage)
             out.append((*edge, i.phase, i.microbatch) if schedule.mesh_of_stage else (i.phase, i.microbatch))
     return out
@@ -851,9 +863,10 @@ def check(schedule: Schedule) -> ScheduleReport:
     """
     S, M = schedule.num_stages, schedule.num_microbatches
     _validate_sizes(S, M)
+    mesh_of = [schedule.mesh(st) for st in range(S)]
     for p, prog in enumerate(schedule.instructions):
         for ins in prog:
-            if not 0 <= ins.stage < S or schedule.mesh(ins.stage) != p:
+            if not 0 <= ins.stage < S or mesh_of[ins.stage] != p:
                 raise ScheduleError(f"instruction {ins} is in {_where(schedule, p)}'s list")
     split = schedule.split_backward
     for s in range(S):
@@ -863,8 +876,8 @@ def check(schedule: Schedule) -> ScheduleReport:
     boundaries = {(schedule.mesh(s), schedule.mesh(s + 1)) for s in range(S - 1) if _remote(schedule, s, s + 1)}
     channels = sorted(boundaries | {(b, a) for a, b in boundaries})
     what = "src stage, dst stage, phase, micro-batch" if schedule.mesh_of_stage else "phase, micro-batch"
-    for src, dst in channels:
-        sends, recvs = _channel(schedule, "SEND", src, dst), _channel(schedule, "RECV", src, dst)
+    messages = {(src, dst): (_channel(schedule, "SEND", src, dst), _channel(schedule, "RECV", src, dst)) for src, dst in channels}
+    for (src, dst), (sends, recvs) in messages.items():
         if sorted(sends) != sorted(recvs):
             unmatched = sorted(set(sends) ^ set(recvs))
             raise ScheduleError(
@@ -872,8 +885,7 @@ def check(schedule: Schedule) -> ScheduleReport:
                 f"match; unmatched ({what}): {unmatched}"
             )
     timeline = simulate(schedule, 1.0, 2.0, 0.0, records=False)
-    for src, dst in channels:
-        sends, recvs = _channel(schedule, "SEND", src, dst), _channel(schedule, "RECV", src, dst)
+    for (src, dst), (sends, recvs) in messages.items():
         if sends != recvs:
             k = next(i for i, (a, b) in enumerate(zip(sends, recvs)) if a != b)
             raise ScheduleError(
