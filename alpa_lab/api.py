@@ -133,7 +133,7 @@ class ParallelizedStep:
         self.submesh_space = submesh_space
         self.remat = remat
         self.fn = fn
-        self.cluster = cluster if cluster is not None else ClusterSpec.local(1, len(jax.devices()))
+        self.cluster = cluster if cluster is not None else ClusterSpec.default()
         if mesh_shape is not None:
             self.cluster.logical_mesh(mesh_shape)  # fail early on a mesh that does not fit
         self.mesh_shape = mesh_shape

@@ -207,3 +207,22 @@ def test_profiling_cost_model_times_the_planned_stages(tmp_path, monkeypatch):
         al.parallelize(ex.train_step, cost_model="profile")
     with pytest.raises(ValueError, match="unknown cost model"):
         al.parallelize(ex.train_step, microbatches=4, cost_model="measured")
+
+
+def test_a_gpu_calibration_is_what_a_gpu_box_plans_with(tmp_path, monkeypatch):
+    """A calibration saved for GPUs (``ClusterSpec.calibrate`` on a GPU box) is found by ``local(platform="gpu")``,
+    which ``parallelize`` uses by default where JAX's devices are GPUs; the CPU devices' lookup does not see it."""
+    monkeypatch.setenv("ALPA_LAB_CACHE", str(tmp_path))
+    gpu = Calibration(**{**_fake("process", 1, 1, 3.5e14, device_memory=6.4e10).__dict__, "platform": "gpu"})
+    gpu.save(calibration_path("gpu", 1, 1))
+    spec = al.ClusterSpec.local(1, 1, platform="gpu")
+    assert (spec.name, spec.simulated, spec.device_flops, spec.device_memory) == ("gpu:1x1 (calibrated)", False, 3.5e14, 6.4e10)
+    assert al.ClusterSpec.local(1, 1) == al.ClusterSpec.local(1, 1, calibrated=False)  # the CPU lookup: the preset
+    assert al.ClusterSpec.local(1, 1, platform="gpu", calibrated=False).name == "gpu:1x1"
+    with pytest.raises(ClusterError, match=r"no calibration for 2 GPU devices"):
+        al.ClusterSpec.local(1, 2, platform="gpu", calibrated=True)
+    with pytest.raises(ClusterError, match="platform must be a JAX platform name"):
+        al.ClusterSpec.local(1, 1, platform="../cpu")
+    # this process's devices are CPUs: the default cluster of a step is the simulated one
+    step = al.parallelize(lambda x: x * 2)
+    assert step.cluster == al.ClusterSpec.default() == al.ClusterSpec.local(1, 8)

@@ -79,9 +79,12 @@ class ClusterSpec:
     # ----- constructors ----------------------------------------------------------------
     @classmethod
     def local(
-        cls, hosts: int = 1, devices_per_host: int = 4, *, calibrated: bool | None = None, runtime: str = "process"
+        cls, hosts: int = 1, devices_per_host: int = 4, *, calibrated: bool | None = None, runtime: str = "process",
+        platform: str = "cpu",
     ) -> ClusterSpec:
-        """Simulated CPU devices in this process (``--xla_force_host_platform_device_count``).
+        """Simulated CPU devices in this process (``--xla_force_host_platform_device_count``), or with
+        ``platform="gpu"`` this machine's GPUs (``gpu:HxD``: what ``parallelize`` plans for by default where
+        JAX's devices are GPUs).
 
         Without a calibration, costs model a small GPU box (so plans look like plans for real
         hardware) while the program runs on CPU devices for checking numerics and collectives.
@@ -93,19 +96,23 @@ class ClusterSpec:
         this process) or "ray" (measured on Ray mesh workers, the host-to-host link included);
         the other one is used when only it was saved for this shape.
         """
+        if not isinstance(platform, str) or not platform.isalnum():
+            raise ClusterError(f"platform must be a JAX platform name such as 'cpu' or 'gpu', got {platform!r}")
+        simulated = platform == "cpu"
         base = replace(
-            PRESETS["p3.8xlarge"], hosts=hosts, devices_per_host=devices_per_host, name=f"local:{hosts}x{devices_per_host}", simulated=True
+            PRESETS["p3.8xlarge"], hosts=hosts, devices_per_host=devices_per_host, simulated=simulated,
+            name=f"{'local' if simulated else platform}:{hosts}x{devices_per_host}",
         )
         if calibrated is False:
             return base
         from alpa_lab.cost.calibrate import calibration_path, find_calibration, load_calibration
 
-        path = find_calibration("cpu", hosts, devices_per_host, prefer=runtime)
+        path = find_calibration(platform, hosts, devices_per_host, prefer=runtime)
         if path is None:
             if calibrated:
                 raise ClusterError(
-                    f"no calibration for {hosts * devices_per_host} CPU devices ({hosts} hosts x {devices_per_host}) at "
-                    f"{calibration_path('cpu', hosts, devices_per_host, runtime)}; run "
+                    f"no calibration for {hosts * devices_per_host} {platform.upper()} devices ({hosts} hosts x {devices_per_host}) at "
+                    f"{calibration_path(platform, hosts, devices_per_host, runtime)}; run "
                     f"ClusterSpec.calibrate(hosts={hosts}, devices_per_host={devices_per_host}) first "
                     f"(or RayCluster.local({hosts}, {devices_per_host}).calibrate() for the Ray runtime)"
                 )
@@ -113,11 +120,21 @@ class ClusterSpec:
         return load_calibration(path).apply(base)
 
     @classmethod
+    def default(cls) -> ClusterSpec:
+        """The devices JAX has in this process, as one host: simulated CPU devices, or a GPU box's GPUs
+        (with their saved calibration, if any): what ``parallelize`` and ``%%parallelize`` plan for by default."""
+        import jax
+
+        devices = jax.devices()
+        return cls.local(1, len(devices), platform=devices[0].platform)
+
+    @classmethod
     def calibrate(cls, hosts: int = 1, devices_per_host: int | None = None, *, save: bool = True, repeats: int = 7) -> ClusterSpec:
         """Measure this process's devices (compute rate, memory bandwidth, per-op cost, all-reduce alpha and
         beta, host-to-device copies, and the memory a device offers where the backend says) and return a
-        cluster that plans with the measurements; saved for ``local()`` to reuse (simulated CPU devices).
-        On a GPU box the devices are JAX's GPUs and the cluster is named after them (``gpu:1x1``).
+        cluster that plans with the measurements; saved for ``local()`` to reuse. On a GPU box the
+        devices are JAX's GPUs: the cluster is ``local(..., platform="gpu")`` (named ``gpu:1x1``), which
+        ``parallelize`` then plans with by default.
 
         One host's devices (the first ``devices_per_host``) are measured, all at once: a stage's
         sub-mesh lies within a host in most plans, and simulated CPU devices share the machine's
@@ -138,10 +155,7 @@ class ClusterSpec:
                          runtime="process")
         if save:
             result.save(calibration_path(result.platform, hosts, devices_per_host, "process"))
-        base = cls.local(hosts, devices_per_host, calibrated=False)
-        if result.platform != "cpu":  # real devices (a GPU box): the plan is for them, not for simulated ones
-            base = replace(base, name=f"{result.platform}:{hosts}x{devices_per_host}", simulated=False)
-        return result.apply(base)
+        return result.apply(cls.local(hosts, devices_per_host, calibrated=False, platform=result.platform))
 
     @classmethod
     def preset(cls, name: str, hosts: int = 1) -> ClusterSpec:

@@ -210,9 +210,7 @@ class ParallelizeMagics(Magics):
     @staticmethod
     def _cluster(text: str | None) -> al.ClusterSpec:
         if text is None:
-            import jax
-
-            return al.ClusterSpec.local(1, len(jax.devices()))
+            return al.ClusterSpec.default()
         try:
             return parse_cluster(text)
         except SystemExit as err:
