@@ -82,7 +82,7 @@ def main() -> None:
     for f in ("device_flops", "memory_bandwidth", "op_overhead", "task_overhead", "intra_host_bandwidth",
               "intra_host_latency", "host_to_device_bandwidth", "device_memory"):
         print(f"  {f:24s} {getattr(calibrated, f):.4g}")
-    preset = al.ClusterSpec.local(hosts, per_host, calibrated=False)
+    preset = al.ClusterSpec.local(hosts, per_host, calibrated=False, platform=devices[0].platform)
     within = {"calibrated": 0, "profile": 0}
     total = 0
     for name in args.models.split(","):

@@ -223,6 +223,61 @@ def test_a_gpu_calibration_is_what_a_gpu_box_plans_with(tmp_path, monkeypatch):
         al.ClusterSpec.local(1, 2, platform="gpu", calibrated=True)
     with pytest.raises(ClusterError, match="platform must be a JAX platform name"):
         al.ClusterSpec.local(1, 1, platform="../cpu")
+    assert al.ClusterSpec.local(1, 1, platform="CUDA") == spec  # JAX_PLATFORMS's name for the same devices
     # this process's devices are CPUs: the default cluster of a step is the simulated one
     step = al.parallelize(lambda x: x * 2)
     assert step.cluster == al.ClusterSpec.default() == al.ClusterSpec.local(1, 8)
+    # a calibration of GPUs saved before they were measured at their own sizes (no device memory): not used
+    old = Calibration(**{**_fake("process", 1, 2, 1e12).__dict__, "platform": "gpu"})
+    old.save(calibration_path("gpu", 1, 2))
+    with pytest.warns(UserWarning, match="older calibration of gpu devices"):
+        assert al.ClusterSpec.local(1, 2, platform="gpu").device_flops == al.ClusterSpec.local(1, 2, calibrated=False).device_flops
+
+
+class _FakeGPU:
+    """What a GPU box's JAX devices tell the calibration (CI has no GPU): their platform and memory stats."""
+
+    platform = "gpu"
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit = limit
+
+    def memory_stats(self) -> dict | None:
+        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+
+def test_a_gpu_box_without_calibration_plans_with_its_memory_and_says_what_is_not_measured(tmp_path, monkeypatch):
+    """On a GPU box with no saved calibration the default cluster is its GPUs (``gpu:1x2``, not simulated) with the
+    memory the backend offers (the smallest device's), and a warning says the speeds are a V100's."""
+    import jax
+
+    from alpa_lab.cost.calibrate import _device_memory
+
+    monkeypatch.setenv("ALPA_LAB_CACHE", str(tmp_path))
+    gpus = [_FakeGPU(6.4e10), _FakeGPU(6.0e10)]
+    assert _device_memory(gpus) == 6.0e10 and _device_memory([_FakeGPU(6.4e10), _FakeGPU(None)]) is None
+    monkeypatch.setattr(jax, "devices", lambda backend=None: gpus)
+    with pytest.warns(UserWarning, match=r"no calibration of 1x2 gpu devices.*ClusterSpec.calibrate\(1, 2\)"):
+        spec = al.ClusterSpec.default()
+    assert (spec.name, spec.simulated, spec.device_memory) == ("gpu:1x2", False, 6.0e10)
+    assert spec.device_flops == al.ClusterSpec.local(1, 2, calibrated=False).device_flops  # the preset's speeds
+    # once calibrated (saved for gpu 1x2), the default plans with the measured numbers, without a warning
+    Calibration(**{**_fake("process", 1, 2, 3.5e14, device_memory=6.4e10).__dict__, "platform": "gpu"}).save(
+        calibration_path("gpu", 1, 2))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec = al.ClusterSpec.default()
+    assert (spec.name, spec.device_flops, spec.device_memory) == ("gpu:1x2 (calibrated)", 3.5e14, 6.4e10)
+
+
+def test_the_command_line_names_a_gpu_cluster(tmp_path, monkeypatch):
+    from alpa_lab.cli import parse_cluster
+
+    monkeypatch.setenv("ALPA_LAB_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="no calibration"):
+        assert parse_cluster("gpu:1x2").name == "gpu:1x2"
+    assert parse_cluster("local:1x2").name == "local:1x2"
+    with pytest.raises(SystemExit, match=r"bad --cluster 'gpu:x'.*gpu:HOSTSxDEVICES"):
+        parse_cluster("gpu:x")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 
@@ -563,6 +564,8 @@ def test_a_backward_of_weight_gradients_only_simulates_split():
     plan = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 2), (1, 2)])
     problem = plan._require_problem()
     stages = list(plan.stages)
-    stages[0] = dataclasses.replace(stages[0], backward_time=stages[0].weight_gradient_time - 1e-22)
+    w = stages[0].weight_gradient_time
+    stages[0] = dataclasses.replace(stages[0], backward_time=math.nextafter(w, 0.0))  # one rounding step below W
+    assert stages[0].backward_time - w < 0 and stages[0].backward_input_time == 0.0
     timeline = simulated_timeline(problem, stages, "zb_h1", 4)
     assert timeline.makespan > 0

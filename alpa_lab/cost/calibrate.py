@@ -82,7 +82,8 @@ class Calibration:
     host_to_device_bandwidth: float | None = None
     """bytes/s of a host array put on the devices, per device's tile (None: not measured, the spec's own kept)"""
     device_memory: float | None = None
-    """bytes a program may allocate on one device, as the backend reports it (None: not reported, the spec's own kept)"""
+    """bytes a program may allocate on one device, as the backend reports it (None: not reported, the spec's own
+    kept): JAX's allocator cap at calibration time (``XLA_PYTHON_CLIENT_MEM_FRACTION``, by default 75% of a GPU)"""
     hosts: int | None = None
     """the cluster shape and runtime it was saved for (None: not recorded, an older file)"""
     devices_per_host: int | None = None
@@ -186,20 +187,23 @@ def _fastest_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 @dataclass(frozen=True)
 class _Sizes:
-    """Microbenchmark sizes: an m x m x m matmul, ``passes`` elementwise passes over ``elems`` float32, per device."""
+    """Microbenchmark sizes: an m x m x m matmul, ``passes`` elementwise passes over ``elems`` float32, and
+    all-reduces of two sizes (float32 elements), per device."""
 
     matmul: int
     passes: int
     elems: int
+    allreduce: tuple[int, int]
 
 
-_SIZES = {"cpu": _Sizes(matmul=384, passes=500, elems=16 * 1024)}
+_SIZES = {"cpu": _Sizes(matmul=384, passes=500, elems=16 * 1024, allreduce=(256, 2**18))}
 """simulated CPU devices: the sizes a small model's layer has (64 KiB per device, in cache), kept short since
 the devices share the host's cores"""
-_ACCELERATOR = _Sizes(matmul=8192, passes=10, elems=1 << 27)
+_ACCELERATOR = _Sizes(matmul=8192, passes=10, elems=1 << 27, allreduce=(2**16, 2**24))
 """GPUs and other accelerators: sizes that saturate the device (a 512 MiB array per pass, so a loop
-iteration's own cost is a few percent of it); what a small op costs beyond its FLOPs and bytes there is its
-launch, measured by ``op_overhead``"""
+iteration's own cost is a few percent of it; a 64 MiB all-reduce, where NVLink's bandwidth shows, against a
+256 KiB one for its latency); what a small op costs beyond its FLOPs and bytes there is its launch, measured
+by ``op_overhead``"""
 
 
 def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
@@ -215,7 +219,12 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     per_device = NamedSharding(mesh, PartitionSpec("y"))
 
     def spread(shape: tuple[int, ...]) -> Any:
-        return jax.device_put(np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32), per_device)
+        """A standard-normal block of ``shape`` per device: drawn on the host when small, on the devices when
+        large (an accelerator's sizes would take seconds of host RNG and copying)."""
+        if 4 * int(np.prod(shape)) <= 16 << 20:
+            return jax.device_put(np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32), per_device)
+        draw = jax.jit(lambda key: jax.random.normal(key, (n, *shape), jnp.float32), out_shardings=per_device)
+        return draw(jax.random.key(0))
 
     sizes = _SIZES.get(devices[0].platform, _ACCELERATOR)
 
@@ -246,7 +255,7 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
         local = loop(lambda z: z * (1.0 / n))
         return max(_median_seconds(lambda: reduce(y), repeats) - _median_seconds(lambda: local(y), repeats), 1e-7 * rounds) / rounds
 
-    small, large = 256, 2**18
+    small, large = sizes.allreduce
     if n > 1:
         t_small, t_large = allreduce_seconds(small), allreduce_seconds(large)
         ring = 2 * (n - 1) / n * 4  # bytes on the wire per element of the reduced tensor

@@ -20,6 +20,7 @@ the mesh, the sum of the two latencies and the slower of the two links.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -30,6 +31,20 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 class ClusterError(ValueError):
     """A cluster or mesh description that cannot be used."""
+
+
+def _backend_memory(platform: str) -> float | None:
+    """Bytes a program may allocate on each of this process's ``platform`` devices, where the backend says
+    (``Device.memory_stats()["bytes_limit"]``: JAX's allocator cap, by default 75% of a GPU); None if it does not."""
+    import jax
+
+    from alpa_lab.cost.calibrate import _device_memory
+
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:  # no such backend in this process
+        return None
+    return _device_memory(devices)
 
 
 @dataclass(frozen=True)
@@ -86,11 +101,13 @@ class ClusterSpec:
         ``platform="gpu"`` this machine's GPUs (``gpu:HxD``: what ``parallelize`` plans for by default where
         JAX's devices are GPUs).
 
-        Without a calibration, costs model a small GPU box (so plans look like plans for real
-        hardware) while the program runs on CPU devices for checking numerics and collectives.
-        With one (``ClusterSpec.calibrate(hosts, devices_per_host)`` or a local
-        ``RayCluster(hosts, devices_per_host).calibrate()`` saved it for this shape), the measured
-        numbers are used, so predicted seconds are local seconds.
+        Without a calibration, costs model a small GPU box, a V100's (so plans look like plans for
+        real hardware; for simulated CPU devices the program runs on them for checking numerics
+        and collectives; for GPUs the memory per device is what this process's GPUs offer, and
+        a warning says that the rest is not measured). With one (``ClusterSpec.calibrate(hosts,
+        devices_per_host)`` or a local ``RayCluster(hosts, devices_per_host).calibrate()`` saved it
+        for this platform and shape), the measured numbers are used, so predicted seconds are
+        local seconds. ``platform``: JAX's name ("cpu", "gpu"; "cuda" and "rocm" mean "gpu").
         ``calibrated``: None uses a saved calibration when there is one; True requires it;
         False ignores it. ``runtime``: whose calibration comes first, "process" (measured in
         this process) or "ray" (measured on Ray mesh workers, the host-to-host link included);
@@ -98,6 +115,7 @@ class ClusterSpec:
         """
         if not isinstance(platform, str) or not platform.isalnum():
             raise ClusterError(f"platform must be a JAX platform name such as 'cpu' or 'gpu', got {platform!r}")
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform.lower(), platform.lower())  # as Device.platform names it
         simulated = platform == "cpu"
         base = replace(
             PRESETS["p3.8xlarge"], hosts=hosts, devices_per_host=devices_per_host, simulated=simulated,
@@ -108,7 +126,13 @@ class ClusterSpec:
         from alpa_lab.cost.calibrate import calibration_path, find_calibration, load_calibration
 
         path = find_calibration(platform, hosts, devices_per_host, prefer=runtime)
-        if path is None:
+        measured = load_calibration(path) if path is not None else None
+        if measured is not None and not simulated and measured.device_memory is None:
+            # saved before accelerators were measured at their own sizes (and their memory read): not used
+            warnings.warn(f"ignoring {path}: an older calibration of {platform} devices; run ClusterSpec.calibrate() again",
+                          stacklevel=2)
+            measured = None
+        if measured is None:
             if calibrated:
                 raise ClusterError(
                     f"no calibration for {hosts * devices_per_host} {platform.upper()} devices ({hosts} hosts x {devices_per_host}) at "
@@ -116,8 +140,15 @@ class ClusterSpec:
                     f"ClusterSpec.calibrate(hosts={hosts}, devices_per_host={devices_per_host}) first "
                     f"(or RayCluster.local({hosts}, {devices_per_host}).calibrate() for the Ray runtime)"
                 )
+            if not simulated:
+                memory = _backend_memory(platform)
+                warnings.warn(
+                    f"no calibration of {hosts}x{devices_per_host} {platform} devices: planning with a V100's speeds"
+                    f"{'' if memory is None else ' and this GPU memory'}; run al.ClusterSpec.calibrate({hosts}, "
+                    f"{devices_per_host}) once on this machine to plan with measured ones", stacklevel=2)
+                base = replace(base, device_memory=memory or base.device_memory)
             return base
-        return load_calibration(path).apply(base)
+        return measured.apply(base)
 
     @classmethod
     def default(cls) -> ClusterSpec:

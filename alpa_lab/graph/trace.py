@@ -104,7 +104,7 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
     except markers.BoundaryFound:  # for ``trace`` to trace again, cutting
         raise
     except jax.errors.UnexpectedTracerError as exc:  # newer JAX finds the leak while tracing (older: _Builder.const)
-        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {_LEAKED}") from exc
+        raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {_LEAKED}.\nJAX says: {exc}") from exc
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: "

@@ -54,7 +54,8 @@ class ParallelizeMagics(Magics):
     last_workbench: Any = None
 
     @magic_arguments()
-    @argument("--cluster", default=None, help="local:HxD (simulated devices, default: all of them) or PRESET:HOSTS, e.g. p3.16xlarge:8")
+    @argument("--cluster", default=None, help="local:HxD (simulated devices), gpu:HxD (this machine's GPUs) or "
+              "PRESET:HOSTS, e.g. p3.16xlarge:8; default: the devices JAX has here")
     @argument("--ray", default=None, help="plan for and run on a Ray cluster: local:HxD (started here on 127.0.0.1), auto or HOST:PORT")
     @argument("--microbatches", type=int, default=None, help="pipeline the step over this many micro-batches")
     @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))}")

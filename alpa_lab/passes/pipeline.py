@@ -681,8 +681,7 @@ def simulated_timeline(
     return simulate(
         sched,
         forward_time=[r.forward_time for r in results],
-        # a stage whose backward is all weight gradients (the first stage's) leaves a rounding error, not a time
-        backward_time=[max(r.backward_time - r.weight_gradient_time, 0.0) if split else r.backward_time for r in results],
+        backward_time=[r.backward_input_time if split else r.backward_time for r in results],
         transfer_time=_transfer_time(problem, results),
         weight_time=[r.weight_gradient_time for r in results] if split else None,
         records=records,

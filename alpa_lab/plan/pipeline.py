@@ -90,6 +90,12 @@ class StageResult:
     """the part of ``backward_time`` a zero-bubble schedule defers (W); 0 when not split."""
 
     @property
+    def backward_input_time(self) -> float:
+        """The rest of the backward when a zero-bubble schedule splits it (B): ``backward_time`` less W.
+        Never negative: a stage whose backward is all weight gradients (the first) leaves a rounding error."""
+        return max(self.backward_time - self.weight_gradient_time, 0.0)
+
+    @property
     def memory_per_device(self) -> float:
         """Eq. 5: weights and optimizer state plus the activations of every micro-batch in flight."""
         return self.weight_memory + self.in_flight * self.activation_memory

@@ -209,7 +209,7 @@ def profile(plan: Any, monitor: RunMonitor) -> Profile:
             figures[(st.index, "RUN", "forward")] = st.forward_time
             figures[(st.index, "RUN", "backward")] = st.backward_time
             figures[(st.index, "RUN", "backward_weight")] = st.weight_gradient_time
-            figures[(st.index, "RUN", "backward_input")] = st.backward_time - st.weight_gradient_time
+            figures[(st.index, "RUN", "backward_input")] = st.backward_input_time
             figures[(st.index, "UPDATE", "apply")] = st.apply_time
         for st in plan.stages:
             for o in st.plan.ops:

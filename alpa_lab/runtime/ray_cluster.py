@@ -89,7 +89,7 @@ class RayCluster:
         ``dashboard=True`` starts Ray's dashboard too (on 127.0.0.1; a few seconds more to start),
         linked from alpa_lab's run dashboard.
 
-        ``spec``: the cluster to plan for (default ``ClusterSpec.local(hosts, devices_per_host)``);
+        ``spec``: the cluster to plan for (default ``ClusterSpec.local(hosts, devices_per_host, platform=platform)``);
         it must have the same hosts and devices per host. ``platform="gpu"``: this machine's
         GPUs instead (hosts x devices_per_host of them), one per device, assigned by Ray.
         """
@@ -98,7 +98,7 @@ class RayCluster:
         for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        spec = spec or ClusterSpec.local(hosts, devices_per_host, runtime="ray")
+        spec = spec or ClusterSpec.local(hosts, devices_per_host, runtime="ray", platform=platform)
         if (spec.hosts, spec.devices_per_host) != (hosts, devices_per_host):
             raise ValueError(f"spec is for {spec.hosts}x{spec.devices_per_host} devices but the cluster is {hosts}x{devices_per_host}")
         ray = _ray()
@@ -166,7 +166,7 @@ class RayCluster:
             platform = "cpu"
             per_host = devices_per_host or int(min(n["Resources"].get("CPU", 1) for n in nodes))
         hosts = len(nodes)
-        spec = ClusterSpec.preset(preset, hosts=hosts) if preset else ClusterSpec.local(hosts, per_host, runtime="ray")
+        spec = ClusterSpec.preset(preset, hosts=hosts) if preset else ClusterSpec.local(hosts, per_host, runtime="ray", platform=platform)
         if spec.devices_per_host != per_host:
             raise RayClusterError(f"preset {preset!r} has {spec.devices_per_host} devices per host but the cluster's nodes have {per_host}")
         if platform == "cpu":
