@@ -222,6 +222,10 @@ def test_bad_arguments():
         Instruction("JUMP", 0, 0, FORWARD)
     with pytest.raises(ValueError, match="unknown phase"):
         Instruction("RUN", 0, 0, "sideways")
+    with pytest.raises(ValueError, match="unknown instruction kind"):
+        Instruction(["RUN"], 0, 0, FORWARD)  # unhashable: the same error, not a TypeError
+    with pytest.raises(ValueError, match="RUN takes no peer"):
+        Instruction("RUN", 0, 0, FORWARD, 1)
 
 
 # ---------------------------------------------------------------------------------------

@@ -114,8 +114,11 @@ class Instruction:
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.kind, self.phase, self.peer is None) in _VALID_INSTRUCTIONS:
-            return  # the common case in one lookup: schedules are made of 100,000s of these
+        try:
+            if (self.kind, self.phase, self.peer is None) in _VALID_INSTRUCTIONS:
+                return  # the common case in one lookup: schedules are made of 100,000s of these
+        except TypeError:  # an unhashable kind or phase: said below, as any other bad one
+            pass
         if self.kind not in KINDS:
             raise ValueError(f"unknown instruction kind {self.kind!r}; known: {KINDS}")
         if self.phase not in PHASES:
