@@ -164,7 +164,7 @@ class ClusterSpec:
         """Measure this process's devices (compute rate, memory bandwidth, per-op cost, all-reduce alpha and
         beta, host-to-device copies, and the memory a device offers where the backend says) and return a
         cluster that plans with the measurements; saved for ``local()`` to reuse. On a GPU box the
-        devices are JAX's GPUs: the cluster is ``local(..., platform="gpu")`` (named ``gpu:1x1``), which
+        devices are JAX's GPUs: the cluster is ``local(..., platform="gpu")`` (named ``gpu:HxD (calibrated)``), which
         ``parallelize`` then plans with by default.
 
         One host's devices (the first ``devices_per_host``) are measured, all at once: a stage's
