@@ -259,6 +259,12 @@ def test_a_gpu_box_without_calibration_plans_with_its_memory_and_says_what_is_no
     monkeypatch.setattr(jax, "devices", lambda backend=None: gpus)
     with pytest.warns(UserWarning, match=r"no calibration of 1x2 gpu devices.*ClusterSpec.calibrate\(1, 2\)"):
         spec = al.ClusterSpec.default()
+    # a Ray driver's lookup (RayCluster.local(platform="gpu")) does not read the devices: that would start the
+    # GPU backend in the driver; it warns the same way
+    monkeypatch.setattr(jax, "devices", lambda backend=None: pytest.fail("local() read the devices"))
+    with pytest.warns(UserWarning, match="no calibration of 1x2 gpu devices"):
+        assert al.ClusterSpec.local(1, 2, platform="gpu").device_memory == 16e9
+    monkeypatch.setattr(jax, "devices", lambda backend=None: gpus)
     assert (spec.name, spec.simulated, spec.device_memory) == ("gpu:1x2", False, 6.0e10)
     assert spec.device_flops == al.ClusterSpec.local(1, 2, calibrated=False).device_flops  # the preset's speeds
     # once calibrated (saved for gpu 1x2), the default plans with the measured numbers, without a warning

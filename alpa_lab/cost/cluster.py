@@ -33,20 +33,6 @@ class ClusterError(ValueError):
     """A cluster or mesh description that cannot be used."""
 
 
-def _backend_memory(platform: str) -> float | None:
-    """Bytes a program may allocate on each of this process's ``platform`` devices, where the backend says
-    (``Device.memory_stats()["bytes_limit"]``: JAX's allocator cap, by default 75% of a GPU); None if it does not."""
-    import jax
-
-    from alpa_lab.cost.calibrate import _device_memory
-
-    try:
-        devices = jax.devices(platform)
-    except RuntimeError:  # no such backend in this process
-        return None
-    return _device_memory(devices)
-
-
 @dataclass(frozen=True)
 class ClusterSpec:
     """Hardware the planner plans for. Bandwidths in bytes/s, latencies in s."""
@@ -102,9 +88,8 @@ class ClusterSpec:
         JAX's devices are GPUs).
 
         Without a calibration, costs model a small GPU box, a V100's (so plans look like plans for
-        real hardware; for simulated CPU devices the program runs on them for checking numerics
-        and collectives; for GPUs the memory per device is what this process's GPUs offer, and
-        a warning says that the rest is not measured). With one (``ClusterSpec.calibrate(hosts,
+        real hardware; simulated CPU devices run the program for checking numerics and
+        collectives; for GPUs a warning says that nothing was measured). With one (``ClusterSpec.calibrate(hosts,
         devices_per_host)`` or a local ``RayCluster(hosts, devices_per_host).calibrate()`` saved it
         for this platform and shape), the measured numbers are used, so predicted seconds are
         local seconds. ``platform``: JAX's name ("cpu", "gpu"; "cuda" and "rocm" mean "gpu").
@@ -140,24 +125,30 @@ class ClusterSpec:
                     f"ClusterSpec.calibrate(hosts={hosts}, devices_per_host={devices_per_host}) first "
                     f"(or RayCluster.local({hosts}, {devices_per_host}).calibrate() for the Ray runtime)"
                 )
-            if not simulated:
-                memory = _backend_memory(platform)
+            if not simulated:  # not read from the devices here: that would start JAX's GPU backend in this
+                # process (a Ray driver's), which takes most of each GPU's memory from the mesh workers
                 warnings.warn(
-                    f"no calibration of {hosts}x{devices_per_host} {platform} devices: planning with a V100's speeds"
-                    f"{'' if memory is None else ' and this GPU memory'}; run al.ClusterSpec.calibrate({hosts}, "
-                    f"{devices_per_host}) once on this machine to plan with measured ones", stacklevel=2)
-                base = replace(base, device_memory=memory or base.device_memory)
+                    f"no calibration of {hosts}x{devices_per_host} {platform} devices: planning with a V100's "
+                    f"speeds; run al.ClusterSpec.calibrate({hosts}, {devices_per_host}) once on that machine to plan "
+                    "with measured ones", stacklevel=2)
             return base
         return measured.apply(base)
 
     @classmethod
     def default(cls) -> ClusterSpec:
         """The devices JAX has in this process, as one host: simulated CPU devices, or a GPU box's GPUs
-        (with their saved calibration, if any): what ``parallelize`` and ``%%parallelize`` plan for by default."""
+        (with their saved calibration, if any; without one, with the memory their backend offers):
+        what ``parallelize`` and ``%%parallelize`` plan for by default."""
         import jax
 
+        from alpa_lab.cost.calibrate import _device_memory
+
         devices = jax.devices()
-        return cls.local(1, len(devices), platform=devices[0].platform)
+        platform = devices[0].platform
+        spec = cls.local(1, len(devices), platform=platform)
+        if platform != "cpu" and spec == cls.local(1, len(devices), calibrated=False, platform=platform):
+            spec = replace(spec, device_memory=_device_memory(devices) or spec.device_memory)  # no calibration
+        return spec
 
     @classmethod
     def calibrate(cls, hosts: int = 1, devices_per_host: int | None = None, *, save: bool = True, repeats: int = 7) -> ClusterSpec:
