@@ -198,6 +198,11 @@ class Schedule:
         """The mesh that runs ``stage``."""
         return self.mesh_of_stage[stage] if self.mesh_of_stage else stage
 
+    @functools.cached_property
+    def stage_meshes(self) -> tuple[int, ...]:
+        """``mesh(s)`` for every stage s, made once: the checker, compiler and simulator index it per instruction."""
+        return tuple(self.mesh(s) for s in range(self.num_stages))
+
     def stages_of(self, mesh: int) -> tuple[int, ...]:
         """The stages (model chunks) ``mesh`` holds, in stage order."""
         return tuple(s for s in range(self.num_stages) if self.mesh(s) == mesh)
@@ -516,7 +521,7 @@ def _compile(schedule: Schedule) -> _Program:
     instruction waited for; if no mesh can advance while some still have instructions left,
     the schedule deadlocks (whatever the times) and ``ScheduleError`` names them."""
     S, P = schedule.num_stages, schedule.num_meshes
-    mesh_of = [schedule.mesh(s) for s in range(S)]
+    mesh_of = schedule.stage_meshes
     offsets = [0]
     for prog in schedule.instructions:
         offsets.append(offsets[-1] + len(prog))
@@ -690,7 +695,7 @@ def simulate(
     offsets = program.offsets
     makespan = max((end[offsets[p + 1] - 1] for p in range(P) if offsets[p + 1] > offsets[p]), default=0.0)
     busy = [0.0] * P
-    mesh_of = [schedule.mesh(s) for s in range(S)]
+    mesh_of = schedule.stage_meshes
     for i, slot in program.run_slots:
         busy[mesh_of[slot % S]] += end[i] - start[i]
     bubble = 1.0 - sum(busy) / (P * makespan) if makespan > 0 else 0.0
@@ -840,7 +845,7 @@ def _channel(schedule: Schedule, kind: str, src: int, dst: int) -> list[tuple]:
     names the pair of stages), else (source stage, destination stage, phase, micro-batch).
     """
     side, peer = (src, dst) if kind == "SEND" else (dst, src)
-    mesh_of = [schedule.mesh(st) for st in range(schedule.num_stages)]
+    mesh_of = schedule.stage_meshes
     out: list[tuple] = []
     for i in schedule.instructions[side]:
         if i.kind == kind and i.peer is not None and mesh_of[i.peer] == peer:
@@ -866,7 +871,7 @@ def check(schedule: Schedule) -> ScheduleReport:
     """
     S, M = schedule.num_stages, schedule.num_microbatches
     _validate_sizes(S, M)
-    mesh_of = [schedule.mesh(st) for st in range(S)]
+    mesh_of = schedule.stage_meshes
     for p, prog in enumerate(schedule.instructions):
         for ins in prog:
             if not 0 <= ins.stage < S or mesh_of[ins.stage] != p:
