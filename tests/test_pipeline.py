@@ -445,3 +445,69 @@ def test_a_plan_for_more_devices_than_here_asks_for_enough():
     with pytest.raises(DeviceError, match=f"device_count={need} "):
         step(ex.state, ex.batch)
     assert step.current_plan is plan
+
+
+# ----- gradient accumulation ---------------------------------------------------------------------
+def test_gradient_sums_are_charged_to_the_phase_that_makes_them(pipelined_steps):
+    """Each weight gradient is summed every micro-batch (an add on its planned tile: two tiles read, one
+    written) and averaged once per step; the backward and the update each launch one more program for it."""
+    import math
+
+    from alpa_lab.passes.pipeline import accumulation_seconds, stage_parts
+    from alpa_lab.sharding.spec import ShardingSpec
+
+    step = pipelined_steps["mlp"]
+    plan = step.current_plan.pin_stages(STAGINGS[2])
+    problem, cluster = plan.problem, LOCAL
+    graph, sl = problem.graph, problem.slicing
+    accumulated = set(sl.accumulated)
+    for st in plan.stages:
+        sums = accumulation_seconds(problem, st.plan, st.layers)
+        planned = {o.name: o for o in st.plan.ops if o.kind == "op"}
+        expected = {}
+        for i in sl.ops_of(range(*st.layers)):
+            op = graph.ops[i]
+            for pos, v in enumerate(op.outputs):
+                if v in accumulated and graph.vars[v].dtype.startswith("float"):
+                    tiles = ShardingSpec.parse(planned[op.name].output_specs[pos]).num_shards(st.plan.mesh_shape)
+                    elems = math.prod(graph.vars[v].shape) / tiles
+                    add = max(elems / cluster.device_flops, 3 * 4 * elems / cluster.memory_bandwidth) + cluster.op_overhead
+                    expected[op.name] = expected.get(op.name, 0.0) + add
+        assert expected and set(sums) == set(expected)
+        assert [sums[k][0] for k in expected] == pytest.approx(list(expected.values()), rel=1e-12)
+        parts = stage_parts(problem, st.plan, st.layers)
+        assert parts[BACKWARD].launches == 2 and parts[APPLY].launches == 2  # the program, and the sums' / average's
+        backward = {graph.ops[i].name for i in sl.ops_of(range(*st.layers)) if sl.phase[i] == BACKWARD}
+        assert parts[BACKWARD].compute == pytest.approx(
+            sum(o.compute_cost for name, o in planned.items() if name in backward)
+            + sum(a for name, (a, _) in sums.items() if name in backward), rel=1e-9)
+
+
+def test_gradient_sums_run_one_program_per_mesh_and_keep_integers_last():
+    """``runtime.accumulate``: floats summed (in one program per call), integers keep the latest micro-batch's,
+    the average one program per mesh, so sums living on two meshes are averaged where they are."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from alpa_lab.runtime.accumulate import accumulate, averaged
+
+    devices = jax.devices()
+    meshes = [Mesh(np.array(devices[k * 2:(k + 1) * 2]), ("x",)) for k in (0, 1)]
+    on = [NamedSharding(m, PartitionSpec("x")) for m in meshes]
+    dtypes = {0: "float32", 1: "int32", 2: "float32"}
+    sums: dict = {}
+    values = []
+    for mb in range(3):
+        x = np.arange(4, dtype=np.float32) + mb
+        n = np.full(4, mb, dtype=np.int32)
+        y = np.ones(4, dtype=np.float32) * (mb + 1)
+        values.append((x, y))
+        accumulate(sums, [(0, jax.device_put(x, on[0])), (1, jax.device_put(n, on[0]))], dtypes)
+        accumulate(sums, [(2, jax.device_put(y, on[1]))], dtypes)
+    assert sums[0].sharding == on[0] and sums[2].sharding == on[1]
+    np.testing.assert_array_equal(np.asarray(sums[0]), sum(x for x, _ in values))
+    np.testing.assert_array_equal(np.asarray(sums[1]), np.full(4, 2))
+    out = averaged(sums, 3, dtypes)
+    np.testing.assert_allclose(np.asarray(out[0]), sum(x for x, _ in values) / 3, rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(out[2]), np.full(4, 2.0), rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(out[1]), np.full(4, 2))
+    assert out[2].sharding == on[1]

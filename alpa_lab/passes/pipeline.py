@@ -22,6 +22,7 @@ would plug in at ``layer_cost``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections import OrderedDict
@@ -51,6 +52,7 @@ from alpa_lab.passes.schedule import (
 )
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, check_submesh_space, place_submeshes, submesh_shapes
+from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
@@ -212,7 +214,8 @@ class PipelineProblem:
         except ValueError:
             return None
         forward = weights = activations = 0.0
-        op_total = 0.0
+        op_total = sums = 0.0
+        accumulated = self.accumulated
         for n, node in enumerate(sg.nodes):
             s = node.strategies[sol.choice[n]]
             if node.op_index is None:
@@ -221,12 +224,21 @@ class PipelineProblem:
                 continue
             cost = s.compute_cost + s.communication_cost
             op_total += cost
-            if self.slicing.phase[ops[node.op_index]] == FORWARD:
+            op = self.graph.ops[ops[node.op_index]]
+            if self.slicing.phase[op.index] == FORWARD:
                 forward += cost
-            if ops[node.op_index] in self.saved:
+            if op.index in self.saved:
                 activations += s.memory_cost
+            for pos, v in enumerate(op.outputs):  # a weight gradient summed every micro-batch (runtime.accumulate)
+                if v in accumulated:
+                    sums += sum_seconds(self.cluster, self.graph.vars[v], s.output_specs[pos].num_shards(sg.mesh.shape))[0]
         forward += sol.objective - op_total  # loads and reshardings: charged to the forward
-        return LayerCost(forward, sol.objective - forward, weights * self.state_factor, activations)
+        return LayerCost(forward, sol.objective - forward + sums, weights * self.state_factor, activations)
+
+    @functools.cached_property
+    def accumulated(self) -> frozenset[int]:
+        """The floating tensors summed over the micro-batches (``ProgramSlicing.accumulated``)."""
+        return frozenset(v for v in self.slicing.accumulated if _inexact(self.graph.vars[v].dtype))
 
     def stage_graph(
         self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1
@@ -586,6 +598,44 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
     return None
 
 
+def accumulation_seconds(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, tuple[float, float]]:
+    """Per op of the stage whose results are summed over the micro-batches (weight gradients, the loss): seconds
+    of its sums each micro-batch and of their average once per step (``runtime.accumulate``).
+
+    Each sum is an elementwise add on the op's planned output tiles (two tiles read, one written), the
+    average a division (one read, one written), each priced as any op is (roofline plus the per-op cost).
+    """
+    graph, accumulated = problem.graph, problem.accumulated
+    out: dict[str, tuple[float, float]] = {}
+    if not accumulated:
+        return out
+    planned = {o.name: o.output_specs for o in plan.ops if o.kind == "op"}
+    for i in problem.slicing.ops_of(range(*layers)):
+        op = graph.ops[i]
+        summed = [(pos, v) for pos, v in enumerate(op.outputs) if v in accumulated]
+        if not summed:
+            continue
+        specs = planned.get(op.name)
+        add = divide = 0.0
+        for pos, v in summed:
+            a, d = sum_seconds(problem.cluster, graph.vars[v], ShardingSpec.parse(specs[pos]).num_shards(plan.mesh_shape) if specs else 1)
+            add, divide = add + a, divide + d
+        out[op.name] = (add, divide)
+    return out
+
+
+def sum_seconds(cluster: ClusterSpec, var: Any, tiles: int) -> tuple[float, float]:
+    """Seconds of adding one micro-batch's ``var`` into its sum (two tiles read, one written) and of dividing
+    the sum by the micro-batch count (one read, one written), each on a 1/``tiles`` tile, priced as any op."""
+    elems, nbytes = math.prod(var.shape) / tiles, var.nbytes / tiles
+    return (max(elems / cluster.device_flops, 3 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead,
+            max(elems / cluster.device_flops, 2 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead)
+
+
+def _inexact(dtype: str) -> bool:
+    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+
+
 def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, CostParts]:
     """A stage's predicted forward, backward and update, split into the cost model's terms (``cost.profile``).
 
@@ -593,12 +643,15 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
     weight's layout, to the update); what the objective has
     beyond the ops and those (reshardings read by no op of the stage) goes to the forward.
     Each phase runs as one program (a unit task) per micro-batch, the update once per step:
-    one launch each.
+    one launch each. A phase that makes tensors summed over the micro-batches (the backward's
+    weight gradients) adds their sums, one more program (``accumulation_seconds``); the update
+    adds their average, one program.
     """
     stage_ops = problem.slicing.ops_of(range(*layers))
     phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in stage_ops}
     compute = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     comm = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
+    extra_launches = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     for o in plan.ops:
         if o.kind == "op":
             p = phase.get(o.name, FORWARD)
@@ -613,8 +666,13 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
             comm[p] += r.cost
             rest -= r.cost
     comm[FORWARD] += rest
+    for name, (add, divide) in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
+        p = phase.get(name, FORWARD)
+        compute[p] += add
+        compute[APPLY] += divide
+        extra_launches[p] = extra_launches[APPLY] = 1.0
     return {
-        p: CostParts(compute[p], comm[p], 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0)
+        p: CostParts(compute[p], comm[p], (1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0) + extra_launches[p])
         for p in (FORWARD, BACKWARD, APPLY)
     }
 
@@ -663,6 +721,9 @@ def plan_stages(
         plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
         f, b, a, w, act = _stage_figures(problem, plan, layers)
         wt = sum(o.compute_cost + o.communication_cost for o in plan.ops if o.name in deferred)
+        if deferred:  # the weight gradients' sums run after W, in its RUN
+            sums = [add for name, (add, _) in accumulation_seconds(problem, plan, layers).items() if name in deferred]
+            wt += sum(sums) + (problem.cluster.task_overhead if sums else 0.0)
         results.append(
             StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i], wt)
         )

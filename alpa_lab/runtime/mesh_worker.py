@@ -312,6 +312,7 @@ class MeshWorker:
         """Run this worker's part of one training step; returns its results and traffic (and its state leaves)."""
         import jax
 
+        from alpa_lab.runtime.accumulate import accumulate, averaged
         from alpa_lab.runtime.pipeline import split_microbatches, walk_schedule
 
         prog = self._program
@@ -408,13 +409,17 @@ class MeshWorker:
                     self._record(Event(self.worker, self.mesh, -1, "send", "", mb, step, t, time.time(), nbytes, to, v))
 
         def call(task: Any, mb: int) -> list[Any]:
+            """Run a unit task; a per-micro-batch one adds its accumulated outputs into the sums, in its RUN."""
             key = (task.stage, task.phase, task.outvars)
             ins = [fetch(v, mb, task.stage, sh) for v, sh in zip(task.invars, self._shardings[key])]
             t = time.time()
-            outs = self._fns[key](*ins)
-            jax.block_until_ready(outs)
+            outs = list(self._fns[key](*ins))
+            summed = [(v, x) for v, x in zip(task.outvars, outs) if v in prog.accumulated] if mb >= 0 else []
+            if summed:
+                accumulate(sums, summed, prog.var_dtypes)
+            jax.block_until_ready((outs, [sums[v] for v, _ in summed]))
             self._record(Event(self.worker, self.mesh, task.stage, "run", task.phase, mb, step, t, time.time()))
-            return list(outs)
+            return outs
 
         def ready(s: int, phase: str, mb: int) -> bool:
             return all(available(v, mb) for v in prog.tasks[(s, phase)].invars)
@@ -425,9 +430,6 @@ class MeshWorker:
             for v, x in zip(task.outvars, outs):
                 store[(v, mb)] = x
                 left[(v, mb)] = prog.local_readers.get(v, 0)
-                if v in prog.accumulated:
-                    inexact = np.issubdtype(np.dtype(prog.var_dtypes[v]), np.inexact)
-                    sums[v] = x if v not in sums or not inexact else sums[v] + x
                 send(v, mb, x, mb)
                 if left[(v, mb)] == 0 and v not in prog.accumulated:
                     del store[(v, mb)]
@@ -452,9 +454,8 @@ class MeshWorker:
         pending = {s: list(r) for s, r in prog.runs.items()}
         walk_schedule(pending, ready, execute, self._wait)
 
-        for v, total in sums.items():
-            inexact = np.issubdtype(np.dtype(prog.var_dtypes[v]), np.inexact)
-            step_values[v] = total / M if inexact else total
+        step_values.update(averaged(sums, M, prog.var_dtypes))
+        for v in sums:
             send(v, -1, step_values[v], STEP)
         for task in prog.update:  # once per step, in the plan's global order; remote inputs waited for
             while not all(available(v, -1) for v in task.invars):

@@ -31,6 +31,7 @@ from alpa_lab.graph.subgraph import subgraph
 from alpa_lab.passes.pipeline import StageResult, stage_tensor_specs
 from alpa_lab.passes.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 from alpa_lab.passes.stages import APPLY, ProgramSlicing, weight_gradient_ops
+from alpa_lab.runtime.accumulate import accumulate, averaged
 from alpa_lab.runtime.apply import DeviceError, compile_graph
 from alpa_lab.sharding.spec import ShardingSpec
 
@@ -247,6 +248,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     placed: dict[tuple, Any] = {}  # (var, micro-batch or -1, stage) -> array on that stage's mesh
     store: dict[tuple[int, int], Any] = {}  # (var, micro-batch) -> value on its producer's mesh
     accumulated = set(sl.accumulated)
+    dtypes = {v: graph.vars[v].dtype for v in accumulated}
     sums: dict[int, Any] = {}
     step_values: dict[int, Any] = {}  # once-per-step tensors: averages and update results
 
@@ -287,27 +289,28 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
         t = time.perf_counter()
         outs = task.fn(*ins)
+        made = [(v, x) for v, x in zip(task.outvars, outs) if v in accumulated]
+        if made:  # the RUN instruction includes its accumulation (one program, runtime.accumulate)
+            accumulate(sums, made, dtypes)
         if cp.profile:
-            jax.block_until_ready(outs)
+            jax.block_until_ready((outs, [sums[v] for v, _ in made]))
         end = time.perf_counter()
         records.append((s, phase, mb, t - t0, end - t0))
         for v, x in zip(task.outvars, outs):
-            store[(v, mb)] = x
-            left[(v, mb)] = readers.get(v, 0)
-            if v in accumulated:
-                sums[v] = x if v not in sums else sums[v] + x
+            if readers.get(v, 0):  # kept until its last reader (FREE); the sums hold what the step needs
+                store[(v, mb)] = x
+                left[(v, mb)] = readers[v]
         for v in task.invars:
             if (v, mb) in left:
                 left[(v, mb)] -= 1
-                if left[(v, mb)] == 0 and v not in accumulated:
+                if left[(v, mb)] == 0:
                     del store[(v, mb)]
                     for st in cp.stages:
                         placed.pop((v, mb, st.index), None)
         done.add((s, phase, mb))
 
     walk_schedule(pending, ready, execute)
-    for v, total in sums.items():
-        step_values[v] = total / M if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact) else store[(v, M - 1)]
+    step_values.update(averaged(sums, M, dtypes))
     for task in cp.update:
         ins = [fetch(v, -1, task.stage, sh) for v, sh in zip(task.invars, task.in_shardings)]
         t = time.perf_counter()
