@@ -214,7 +214,7 @@ class PipelineProblem:
         except ValueError:
             return None
         forward = weights = activations = 0.0
-        op_total = sums = 0.0
+        op_total = sums = forward_sums = 0.0
         accumulated = self.accumulated
         for n, node in enumerate(sg.nodes):
             s = node.strategies[sol.choice[n]]
@@ -229,11 +229,15 @@ class PipelineProblem:
                 forward += cost
             if op.index in self.saved:
                 activations += s.memory_cost
-            for pos, v in enumerate(op.outputs):  # a weight gradient summed every micro-batch (runtime.accumulate)
+            for pos, v in enumerate(op.outputs):  # a weight gradient (or the loss) summed every micro-batch
                 if v in accumulated:
-                    sums += sum_seconds(self.cluster, self.graph.vars[v], s.output_specs[pos].num_shards(sg.mesh.shape))[0]
+                    add = sum_seconds(self.cluster, self.graph.vars[v], s.output_specs[pos].num_shards(sg.mesh.shape))[0]
+                    if self.slicing.phase[op.index] == FORWARD:
+                        forward_sums += add
+                    else:
+                        sums += add
         forward += sol.objective - op_total  # loads and reshardings: charged to the forward
-        return LayerCost(forward, sol.objective - forward + sums, weights * self.state_factor, activations)
+        return LayerCost(forward + forward_sums, sol.objective - forward + sums, weights * self.state_factor, activations)
 
     @functools.cached_property
     def accumulated(self) -> frozenset[int]:
@@ -644,14 +648,14 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
     beyond the ops and those (reshardings read by no op of the stage) goes to the forward.
     Each phase runs as one program (a unit task) per micro-batch, the update once per step:
     one launch each. A phase that makes tensors summed over the micro-batches (the backward's
-    weight gradients) adds their sums, one more program (``accumulation_seconds``); the update
-    adds their average, one program.
+    weight gradients, the loss) adds their sums, one more program (``accumulation_seconds``). The
+    average, once per step and per mesh (``runtime.accumulate.averaged``), is left out, as the
+    runtime records it in no phase.
     """
     stage_ops = problem.slicing.ops_of(range(*layers))
     phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in stage_ops}
     compute = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     comm = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
-    extra_launches = {FORWARD: 0.0, BACKWARD: 0.0, APPLY: 0.0}
     for o in plan.ops:
         if o.kind == "op":
             p = phase.get(o.name, FORWARD)
@@ -666,15 +670,12 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
             comm[p] += r.cost
             rest -= r.cost
     comm[FORWARD] += rest
-    for name, (add, divide) in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
+    launches = {p: 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0 for p in (FORWARD, BACKWARD, APPLY)}
+    for name, (add, _) in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
         p = phase.get(name, FORWARD)
         compute[p] += add
-        compute[APPLY] += divide
-        extra_launches[p] = extra_launches[APPLY] = 1.0
-    return {
-        p: CostParts(compute[p], comm[p], (1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0) + extra_launches[p])
-        for p in (FORWARD, BACKWARD, APPLY)
-    }
+        launches[p] = 2.0  # the phase's program, and its sums'
+    return {p: CostParts(compute[p], comm[p], launches[p]) for p in (FORWARD, BACKWARD, APPLY)}
 
 
 def _stage_figures(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> tuple[float, float, float, float, float]:
