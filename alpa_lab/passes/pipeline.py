@@ -231,7 +231,7 @@ class PipelineProblem:
                 activations += s.memory_cost
             for pos, v in enumerate(op.outputs):  # a weight gradient (or the loss) summed every micro-batch
                 if v in accumulated:
-                    add = sum_seconds(self.cluster, self.graph.vars[v], s.output_specs[pos].num_shards(sg.mesh.shape))[0]
+                    add = sum_seconds(self.cluster, self.graph.vars[v], s.output_specs[pos].num_shards(sg.mesh.shape))
                     if self.slicing.phase[op.index] == FORWARD:
                         forward_sums += add
                     else:
@@ -242,7 +242,7 @@ class PipelineProblem:
     @functools.cached_property
     def accumulated(self) -> frozenset[int]:
         """The floating tensors summed over the micro-batches (``ProgramSlicing.accumulated``)."""
-        return frozenset(v for v in self.slicing.accumulated if _inexact(self.graph.vars[v].dtype))
+        return frozenset(v for v in self.slicing.accumulated if np.issubdtype(np.dtype(self.graph.vars[v].dtype), np.inexact))
 
     def stage_graph(
         self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1
@@ -602,42 +602,31 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
     return None
 
 
-def accumulation_seconds(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, tuple[float, float]]:
+def accumulation_seconds(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, float]:
     """Per op of the stage whose results are summed over the micro-batches (weight gradients, the loss): seconds
-    of its sums each micro-batch and of their average once per step (``runtime.accumulate``).
-
-    Each sum is an elementwise add on the op's planned output tiles (two tiles read, one written), the
-    average a division (one read, one written), each priced as any op is (roofline plus the per-op cost).
-    """
+    of its sums each micro-batch (``runtime.accumulate``), on the op's planned output tiles."""
     graph, accumulated = problem.graph, problem.accumulated
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, float] = {}
     if not accumulated:
         return out
     planned = {o.name: o.output_specs for o in plan.ops if o.kind == "op"}
     for i in problem.slicing.ops_of(range(*layers)):
         op = graph.ops[i]
         summed = [(pos, v) for pos, v in enumerate(op.outputs) if v in accumulated]
-        if not summed:
-            continue
-        specs = planned.get(op.name)
-        add = divide = 0.0
-        for pos, v in summed:
-            a, d = sum_seconds(problem.cluster, graph.vars[v], ShardingSpec.parse(specs[pos]).num_shards(plan.mesh_shape) if specs else 1)
-            add, divide = add + a, divide + d
-        out[op.name] = (add, divide)
+        if summed:
+            specs = planned.get(op.name)
+            out[op.name] = sum(
+                sum_seconds(problem.cluster, graph.vars[v], ShardingSpec.parse(specs[pos]).num_shards(plan.mesh_shape) if specs else 1)
+                for pos, v in summed
+            )
     return out
 
 
-def sum_seconds(cluster: ClusterSpec, var: Any, tiles: int) -> tuple[float, float]:
-    """Seconds of adding one micro-batch's ``var`` into its sum (two tiles read, one written) and of dividing
-    the sum by the micro-batch count (one read, one written), each on a 1/``tiles`` tile, priced as any op."""
+def sum_seconds(cluster: ClusterSpec, var: Any, tiles: int) -> float:
+    """Seconds of adding one micro-batch's ``var`` into its sum on a 1/``tiles`` tile (two tiles read, one
+    written), priced as any op (roofline plus the per-op cost)."""
     elems, nbytes = math.prod(var.shape) / tiles, var.nbytes / tiles
-    return (max(elems / cluster.device_flops, 3 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead,
-            max(elems / cluster.device_flops, 2 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead)
-
-
-def _inexact(dtype: str) -> bool:
-    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+    return max(elems / cluster.device_flops, 3 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead
 
 
 def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, CostParts]:
@@ -671,7 +660,7 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
             rest -= r.cost
     comm[FORWARD] += rest
     launches = {p: 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0 for p in (FORWARD, BACKWARD, APPLY)}
-    for name, (add, _) in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
+    for name, add in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
         p = phase.get(name, FORWARD)
         compute[p] += add
         launches[p] = 2.0  # the phase's program, and its sums'
@@ -723,7 +712,7 @@ def plan_stages(
         f, b, a, w, act = _stage_figures(problem, plan, layers)
         wt = sum(o.compute_cost + o.communication_cost for o in plan.ops if o.name in deferred)
         if deferred:  # the weight gradients' sums run after W, in its RUN
-            sums = [add for name, (add, _) in accumulation_seconds(problem, plan, layers).items() if name in deferred]
+            sums = [add for name, add in accumulation_seconds(problem, plan, layers).items() if name in deferred]
             wt += sum(sums) + (problem.cluster.task_overhead if sums else 0.0)
         results.append(
             StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i], wt)
