@@ -292,6 +292,59 @@ def test_min_over_stages_matches_full_table():
         assert a == stage_dp(L, N, M, B, cost, max_stages=S + 1)
 
 
+def test_dp_rows_equal_eq_3_written_as_loops():
+    """``_solve_f`` (runs of each width and sub-mesh size combined with blocks of rows) equals eq. 3
+    written as plain loops over (s, k, d) and every (end, sub-mesh, option), bit for bit: at every
+    t_max, with per-position memory limits, with ranges that have no option between allowed ones
+    (holes in a run), and with max in place of + (``_bottlenecks``)."""
+    import numpy as np
+
+    from alpa_lab.passes import inter_op
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(30):
+        L = rng.randint(1, 6)
+        N, M = rng.choice(CLUSTERS)
+        B = rng.randint(1, 6)
+        base = random_cost(rng, 0.35)  # infeasible ranges leave holes inside the runs
+
+        def cost(start, end, shape, logical, base=base, rng=random.Random(rng.random())):
+            c = base(start, end, shape, logical)
+            return None if c is None else StageCost(float(round(c.time)), max_in_flight=rng.choice([None, 1, 2, 3]))
+
+        table = inter_op._profile(cost, L, submesh_shapes(N, M))
+        if not table:
+            continue
+        dense = inter_op._Dense(table, L, N * M)
+        S = min(L, dense.D) if dense.sizes else 0
+        needs = [0] + [min(s, B) for s in range(1, S + 1)]
+        times = sorted({opt.time for opts in table.values() for opt in opts.options})
+        for t_max in [times[0], times[len(times) // 2], times[-1], math.inf]:
+            for use_needs, combine, base_value in ((None, np.add, 0.0), (needs, np.add, 0.0), (needs, np.maximum, -math.inf)):
+                want = np.full((S + 1, L + 1, dense.D + 1), np.inf)
+                want[0, L, 0] = base_value
+                for s in range(1, S + 1):
+                    for (start, end, shape), opts in table.items():
+                        size = shape[0] * shape[1]
+                        if size % dense.unit or end > L - s + 1:
+                            continue
+                        opt = opts.best(None if use_needs is None else use_needs[s])
+                        if opt is None or opt.time > t_max:
+                            continue
+                        u = size // dense.unit
+                        for d in range(u, dense.D + 1):
+                            value = combine(opt.time, want[s - 1, end, d - u])
+                            want[s, start, d] = min(want[s, start, d], value)
+                got = np.full_like(want, np.inf)
+                got[0, L, 0] = base_value
+                for s, row in inter_op._f_rows(dense, t_max, S, use_needs, combine, base_value):
+                    got[s] = row
+                assert np.array_equal(got, want), (L, N, M, t_max)
+                checked += 1
+    assert checked > 50
+
+
 # --------------------------------------------------------------------------- #
 # memory-aware DP (eq. 5): max_in_flight limits against in_flight(position)
 # --------------------------------------------------------------------------- #

@@ -314,7 +314,7 @@ class _Dense:
     Taking the min over sub-meshes of equal size is exact: t + F is monotone in t, so
     min_i(t_i) + F == min_i(t_i + F) in floating point too. ``shift[j, d]`` indexes
     d - sizes[j] into a row padded with one trailing inf (index D + 1) where d < sizes[j].
-    ``bands(need, t_max)`` is ``times_for(need)``'s finite entries as the DP walks them.
+    ``bands(need, t_max)`` is ``times_for(need)``'s entries <= t_max as the DP walks them.
 
     Devices are counted in units of the greatest common divisor of the sub-mesh sizes with a
     feasible option (``unit``; ``D`` and ``sizes`` are in units): only multiples of it can be
@@ -370,31 +370,34 @@ class _Dense:
         times = self.times_for(need)
         return np.where(times <= t_max, times, np.inf)
 
-    def bands(self, need: int | None, t_max: float) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """The finite entries of ``times_for(need)`` that are <= t_max, by (sub-mesh size, width): (size in
-        units, width w, starts k, times t[k, k + w]). Memory limits and t_max keep stages a few layers wide,
-        so these are a thin band of the L x L table (14 layers wide at most for GPT-3 175B's 96) and the DP
-        walks only it. Each band is kept sorted by time, so a t_max takes a prefix (views, no copies)."""
-        bands = self._bands.get(need)
-        if bands is None:
-            table, bands = self.times_for(need), []
+    def bands(self, need: int | None, t_max: float) -> list[tuple[int, int, int, np.ndarray]]:
+        """The entries of ``times_for(need)`` that are <= t_max, by (sub-mesh size, width): (size in units,
+        width w, first start k0, times v) with v[i] the time of layers [k0 + i, k0 + i + w), inf where that
+        range has no option <= t_max. Each run spans the starts from the first to the last one allowed, so
+        the DP combines it with a contiguous block of rows (views, no gathers). Memory limits and t_max keep
+        stages a few layers wide, so there are few runs (14 widths at most for GPT-3 175B's 96 layers)."""
+        diagonals = self._bands.get(need)
+        if diagonals is None:  # per (size, width): the times along that diagonal, and their running minima
+            table, diagonals = self.times_for(need), []
             for j, size in enumerate(self.sizes):
                 t = table[:, :, j]
-                k, e = np.nonzero(np.isfinite(t))
-                w = e - k
-                for width in np.unique(w):
-                    ks = k[w == width]
-                    ts = t[ks, ks + width]
-                    order = np.argsort(ts, kind="stable")
-                    bands.append((size, int(width), ks[order], ts[order]))
-            self._bands[need] = bands
-        if math.isinf(t_max):
-            return bands
+                for width in np.unique(np.subtract(*np.nonzero(np.isfinite(t))[::-1])):
+                    v = np.diagonal(t, offset=int(width)).copy()  # v[k] = t[k, k + width]
+                    left = -np.minimum.accumulate(v)  # ascending: searchsorted finds the first start <= a time
+                    right = -np.minimum.accumulate(v[::-1])  # likewise the last start
+                    diagonals.append((size, int(width), v, left, right, float(v[np.isfinite(v)].max())))
+            self._bands[need] = diagonals
         out = []
-        for size, width, ks, ts in bands:
-            n = int(np.searchsorted(ts, t_max, side="right"))
-            if n:
-                out.append((size, width, ks[:n], ts[:n]))
+        for size, width, v, left, right, slowest in diagonals:
+            limit = min(t_max, slowest)  # finite: an infinite time is never allowed
+            k0 = int(np.searchsorted(left, -limit, side="left"))
+            if k0 == len(v):
+                continue
+            k1 = len(v) - int(np.searchsorted(right, -limit, side="left"))
+            run = v[k0:k1]
+            if run.max() > limit:  # starts in between with no option, or none <= t_max
+                run = np.where(run <= limit, run, math.inf)
+            out.append((size, width, k0, run))
         return out
 
 
@@ -451,6 +454,7 @@ def _f_rows(
     whole (S, L, D) table (77 MB per t_max for GPT-3 175B on 1,024 devices)."""
     L, D = dense.L, dense.D
     prev, row = np.full((L + 1, D + 1), np.inf), np.empty((L + 1, D + 1))
+    scratch = np.empty((L + 1, D + 1))
     prev[L, 0] = base
     bands: dict[int | None, list] = {}
     for s in range(1, S + 1):
@@ -459,14 +463,14 @@ def _f_rows(
             bands[need] = dense.bands(need, t_max)
         row.fill(np.inf)
         last = L - s + 1  # stage s (counting from the end) ends at k + w <= L - s + 1: s - 1 stages follow
-        for size, width, ks, ts in bands[need]:
-            keep = ks <= last - width
-            if not keep.all():
-                ks, ts = ks[keep], ts[keep]
-            if ks.size == 0:
+        for size, width, k0, ts in bands[need]:
+            k1 = min(k0 + len(ts), last - width + 1)
+            if k1 <= k0:
                 continue
-            cand = combine(ts[:, None], prev[ks + width, : D + 1 - size])
-            row[ks, size:] = np.minimum(row[ks, size:], cand)
+            # rows k0..k1 - 1 of F[s] from rows k0 + width.. of F[s - 1], d shifted by size: all views
+            n, m = k1 - k0, D + 1 - size
+            cand = combine(prev[k0 + width : k1 + width, :m], ts[:n, None], out=scratch[:n, :m])
+            np.minimum(row[k0:k1, size:], cand, out=row[k0:k1, size:])
         yield s, row
         prev, row = row, prev
 
@@ -872,6 +876,15 @@ def _search(
         best_s = int(np.argmin(best_F[1:, 0, D])) + 1
         assert best_F[best_s, 0, D] == total
     return best_value, best_tmax, best_s, best_F
+
+
+def profile_stage_options(
+    num_layers: int, num_hosts: int, devices_per_host: int, stage_cost: StageCostFn, cache: dict, submesh_space: str = "all"
+) -> None:
+    """Ask ``stage_cost`` for every option ``stage_dp`` would and keep them in ``cache``, so the DP runs
+    given that cache never call it: they can then run in another thread while this one goes on
+    (``plan_pipeline`` runs its two DPs at once; ``stage_cost`` need not be thread-safe)."""
+    _profiled(stage_cost, num_layers, num_hosts, devices_per_host, cache, submesh_space)
 
 
 def _profiled(
