@@ -291,7 +291,10 @@ class _WorkGraph:
         self.dirty: list[int] = []  # nodes whose neighbourhood changed, to revisit
         self._penalty_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for u, v, r in graph.edges:
-            self.add_edge(u, v, np.asarray(r, dtype=float)[np.ix_(self.live[u], self.live[v])])
+            r = np.asarray(r, dtype=float)  # never written to: edits make new matrices
+            if r.shape != (len(self.live[u]), len(self.live[v])):  # some strategies are not live
+                r = r[np.ix_(self.live[u], self.live[v])]
+            self.add_edge(u, v, r)
 
     @property
     def num_eliminated(self) -> int:

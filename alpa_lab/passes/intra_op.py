@@ -513,6 +513,14 @@ def _cost_graph(
     # keyed by the strategy tuples' ids, each entry holding the tuples so an id is never reused
     edge_tables: dict[tuple, tuple] = _cache(_EDGE_TABLES, mesh)
     group_edges: dict[tuple[int, int], np.ndarray] = {}
+    identity: dict[int, bool] = {}  # node -> whether its member map is the identity (asked lazily)
+
+    def is_identity(n: int) -> bool:
+        if n not in identity:
+            m = member_map[n]
+            identity[n] = len(m) == len(nodes[n].strategies) and bool((m == np.arange(len(m))).all())
+        return identity[n]
+
     for e in edges:
         var = graph.vars[e.var]
         alias = e.consumer < 0  # an output that must come back in its argument's layout
@@ -529,11 +537,14 @@ def _cost_graph(
                 dst = [s.input_specs[e.operand] for s in consumer_strategies]
             hit = edge_tables[key] = (producer_strategies, consumer_strategies, _resharding_table(src, dst, var, mesh, tables))
         table = hit[2]
-        lifted = table[np.ix_(member_map[e.producer], member_map[consumer])]
         gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
-        if gu == gv:
-            costs[gu] += np.diag(lifted)
-        elif (gv, gu) in group_edges:
+        rows, cols = member_map[e.producer], member_map[consumer]
+        if gu == gv:  # both ends in one group: its r-th strategy pays R[rows[r], cols[r]]
+            costs[gu] += table[rows, cols]
+            continue
+        # most nodes are alone in their group (identity member maps): the table is the edge as it is
+        lifted = table if is_identity(e.producer) and is_identity(consumer) else table[np.ix_(rows, cols)]
+        if (gv, gu) in group_edges:
             group_edges[(gv, gu)] = group_edges[(gv, gu)] + lifted.T
         else:
             group_edges[(gu, gv)] = group_edges.get((gu, gv), 0) + lifted
