@@ -162,10 +162,14 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         raise ClusterError(f"the calibration file {str(path)!r} has other fields than expected ({e}); calibrate again") from e
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], Any], repeats: int, warm_up: float = 0.0) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one run (compiling it) and ``warm_up`` seconds more."""
     import jax
 
     jax.block_until_ready(fn())  # compile and warm up
+    until = time.perf_counter() + warm_up
+    while time.perf_counter() < until:
+        jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -184,6 +188,24 @@ def _fastest_seconds(fn: Callable[[], Any], repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return max(min(times), 1e-9)
+
+
+def _paired_medians(fa: Callable[[], Any], fb: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median seconds of ``fa`` and of ``fb``, their runs interleaved: what the machine does meanwhile (this one
+    is shared) then weighs on both alike, and a difference of the two is steadier than of two separate series."""
+    import jax
+
+    jax.block_until_ready(fa())  # compile and warm up
+    jax.block_until_ready(fb())
+    ta, tb = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fa())
+        t1 = time.perf_counter()
+        jax.block_until_ready(fb())
+        ta.append(t1 - t0)
+        tb.append(time.perf_counter() - t1)
+    return statistics.median(ta), statistics.median(tb)
 
 
 @dataclass(frozen=True)
@@ -233,14 +255,15 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     m = sizes.matmul
     a, b = spread((m, m)), spread((m, m))
     matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b), out_shardings=per_device)
-    flops = 2 * m**3 / _median_seconds(lambda: matmul(a, b), repeats)
+    # the first: timed after half a second of it (a fresh process's first matmuls ran 20-30% slower here)
+    flops = 2 * m**3 / _median_seconds(lambda: matmul(a, b), 3 * repeats, warm_up=0.5)
 
     # memory bandwidth: a loop of elementwise passes inside one program, so the call's dispatch is spread
     # over many passes
     passes, elems = sizes.passes, sizes.elems
     x = spread((elems,))
     axpy = jax.jit(lambda x: jax.lax.fori_loop(0, passes, lambda _, y: y * 0.999 + 0.001, x), out_shardings=per_device)
-    bandwidth = 2 * 4 * elems * passes / _median_seconds(lambda: axpy(x), repeats)
+    bandwidth = 2 * 4 * elems * passes / _median_seconds(lambda: axpy(x), 3 * repeats)
 
     # collectives: an all-reduce over the devices at two sizes, solved for alpha and beta of the ring formula
     def allreduce_seconds(elems: int, rounds: int = 40) -> float:
@@ -276,7 +299,7 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     # per-program cost: launching a tiny program on the devices and waiting for it (a unit task's fixed cost)
     tiny = spread((8,))
     bump = jax.jit(lambda y: y + 1.0, out_shardings=per_device)
-    task_overhead = _median_seconds(lambda: bump(tiny), 3 * repeats)
+    task_overhead = _median_seconds(lambda: bump(tiny), 30 * repeats)  # ~0.2 ms a sample: many are cheap
 
     # per-op cost: a reference program (a small MLP's training step, data parallel over the devices), minus its
     # FLOP and byte time at the rates just measured, over its op count as the planner traces it
@@ -315,9 +338,11 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
     """Seconds per traced op beyond its roofline: the slope of a reference program's time over its op count.
 
     The reference is a small MLP's training step (one copy per device, run at once, as a mesh's devices run
-    their parts) at two depths; the deeper one's extra time, less its extra FLOP and byte time, over its extra
-    ops. A slope needs no launch cost subtracted: taking one measured ``task_overhead`` off a single program's
-    time left the per-op figure varying 2x from one calibration to the next on this shared machine.
+    their parts) at depths 4 and 32, their runs interleaved; the deeper one's extra time, less its extra FLOP
+    and byte time, over its extra ops. A slope needs no launch cost subtracted: taking one measured
+    ``task_overhead`` off a single program's time left the per-op figure varying 2x from one calibration to the
+    next on this shared machine; depths 4 and 16 timed one after the other, 1.4-1.9x; interleaved at 4 and 32
+    with 84 samples each, about 1.1x (five calibrations back to back, ``benchmarks/calibration.py``).
     """
     import jax
     import jax.numpy as jnp
@@ -328,7 +353,7 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
     rng = np.random.default_rng(1)
     width, batch = 64, 16
 
-    def measured(depth: int) -> tuple[float, float, int]:
+    def reference(depth: int) -> tuple[Callable[[], Any], float, int]:
         params = [
             (rng.standard_normal((width, width), dtype=np.float32) * 0.1, np.zeros(width, np.float32)) for _ in range(depth)
         ]
@@ -345,13 +370,12 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
         stacked = jax.tree_util.tree_map(lambda p: jax.device_put(np.stack([p] * n), per_device), params)
         xs = jax.device_put(rng.standard_normal((n, batch, width), dtype=np.float32), per_device)
         step = jax.jit(jax.vmap(train_step), out_shardings=per_device)
-        seconds = _median_seconds(lambda: step(stacked, xs), 3 * repeats)
         graph = trace(train_step, params, xs[0])
         work = sum(max(op.flops / flops, op.bytes_accessed / bandwidth) for op in graph.ops)
-        return seconds, work, len(graph.ops)
+        return (lambda: step(stacked, xs)), work, len(graph.ops)
 
-    t_small, w_small, n_small = measured(4)
-    t_large, w_large, n_large = measured(16)
+    (run_small, w_small, n_small), (run_large, w_large, n_large) = reference(4), reference(32)
+    t_small, t_large = _paired_medians(run_small, run_large, 12 * repeats)
     slope = ((t_large - t_small) - (w_large - w_small)) / max(n_large - n_small, 1)
     if slope > 0:
         return slope
