@@ -17,7 +17,7 @@ import statistics
 import pytest
 
 import alpa_lab as al
-from alpa_lab.cost.calibrate import Calibration, calibration_path, load_calibration
+from alpa_lab.cost.calibrate import Calibration, calibrate, calibration_path, load_calibration
 from alpa_lab.cost.cluster import ClusterError
 from alpa_lab.models import tiny_example
 
@@ -43,7 +43,8 @@ def test_calibration_measures_and_is_reused(calibrated):
     preset = al.ClusterSpec.local(2, 4, calibrated=False)
     assert spec.device_flops < preset.device_flops / 10  # simulated CPU devices are far slower than a V100
     saved = load_calibration(calibration_path("cpu", 2, 4))
-    assert saved.num_devices == 4 and saved.device_flops == spec.device_flops  # one host measured, saved for 2x4
+    # simulated devices: both hosts' 8 measured at once (they share the machine's cores as the meshes run), saved for 2x4
+    assert saved.num_devices == 8 and saved.device_flops == spec.device_flops
     assert (saved.hosts, saved.devices_per_host, saved.runtime) == (2, 4, "process")
     # the batch's copy to the devices is measured too (a CPU's memcpy, not the preset's PCIe link)
     assert saved.host_to_device_bandwidth > 0 and spec.host_to_device_bandwidth == saved.host_to_device_bandwidth
@@ -57,6 +58,8 @@ def test_calibration_measures_and_is_reused(calibrated):
         al.ClusterSpec.local(1, 2, calibrated=True)
     with pytest.raises(ClusterError, match="cannot calibrate 4x4 devices: JAX sees 8"):
         al.ClusterSpec.calibrate(4, 4)
+    with pytest.raises(ClusterError, match="cannot split 8 devices into 3 hosts"):
+        calibrate(hosts=3)
 
 
 def test_device_memory_is_the_backends_where_it_reports_one(calibrated, tmp_path):
@@ -152,10 +155,11 @@ def stage_ratios(cluster, name: str) -> list[float]:
 
 
 def test_calibrated_stage_times_are_of_the_measured_order(calibrated):
-    """The preset predicts stages 30-1000x faster than they run here; calibrated, the median error is within 3x.
+    """The preset predicts stages 30-1000x faster than they run here; calibrated, the median error is within 2x.
 
-    (The issue's target is 25% per stage; measured on this machine, calibrated MLP stages are within 15% and GPT's
-    within 0.58-0.89, see ``benchmarks/calibration.py``.)
+    (The issue's target is 25% per stage; measured on this machine, with every host's devices calibrated at once,
+    9 and 11 of the 16 stage phases of the four tiny models were within 25%, backwards the furthest at 0.62-0.69,
+    see ``benchmarks/calibration.py``.)
     """
     preset = al.ClusterSpec.local(2, 4, calibrated=False)
     errors = {"calibrated": [], "preset": []}
@@ -163,10 +167,10 @@ def test_calibrated_stage_times_are_of_the_measured_order(calibrated):
         errors["calibrated"] += [abs(math.log(r)) for r in stage_ratios(calibrated, name)]
         errors["preset"] += [abs(math.log(r)) for r in stage_ratios(preset, name)]
     assert statistics.median(errors["preset"]) > math.log(10), errors
-    # within 3x: on this shared 2-core machine the calibrated median error measured 0.6-0.72 (predictions about half
-    # the measured times) and a 2x bound failed a clean CI run; the preset stays beyond 10x, so the check still fails
-    # without calibration
-    assert statistics.median(errors["calibrated"]) < math.log(3), errors
+    # within 2x: on this shared 2-core machine the calibrated median |log ratio| measured 0.11-0.35 per model once
+    # every host's devices were calibrated at once (0.40-0.47 calibrating one host's, when a 2x bound failed a clean
+    # CI run); the preset stays beyond 10x, so the check still fails without calibration
+    assert statistics.median(errors["calibrated"]) < math.log(2), errors
 
 
 def test_profiling_cost_model_times_the_planned_stages(tmp_path, monkeypatch):

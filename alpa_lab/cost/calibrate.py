@@ -229,8 +229,12 @@ iteration's own cost is a few percent of it; a 64 MiB all-reduce, where NVLink's
 by ``op_overhead``"""
 
 
-def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
-    """Microbenchmarks on ``devices`` (default: every device JAX sees here), all of them at once."""
+def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) -> Calibration:
+    """Microbenchmarks on ``devices`` (default: every device JAX sees here), all of them at once.
+
+    ``hosts``: the devices are that many hosts' (in order, equally many each); collectives are measured
+    within each host, every host at once, as a pipeline's meshes run theirs.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -238,8 +242,11 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     t_start = time.perf_counter()
     devices = list(jax.devices()) if devices is None else list(devices)
     n = len(devices)
-    mesh = Mesh(np.array(devices, dtype=object).reshape(1, n), ("x", "y"))
-    per_device = NamedSharding(mesh, PartitionSpec("y"))
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or n % hosts:
+        raise ClusterError(f"cannot split {n} devices into {hosts!r} hosts of equally many devices")
+    per_host = n // hosts
+    mesh = Mesh(np.array(devices, dtype=object).reshape(hosts, per_host), ("x", "y"))
+    per_device = NamedSharding(mesh, PartitionSpec(("x", "y")))  # a leading axis of n: one block per device
 
     def spread(shape: tuple[int, ...]) -> Any:
         """A standard-normal block of ``shape`` per device: drawn on the host when small, on the devices when
@@ -265,24 +272,28 @@ def calibrate(devices: list | None = None, *, repeats: int = 7) -> Calibration:
     axpy = jax.jit(lambda x: jax.lax.fori_loop(0, passes, lambda _, y: y * 0.999 + 0.001, x), out_shardings=per_device)
     bandwidth = 2 * 4 * elems * passes / _median_seconds(lambda: axpy(x), 3 * repeats)
 
-    # collectives: an all-reduce over the devices at two sizes, solved for alpha and beta of the ring formula
+    # collectives: an all-reduce over each host's devices (every host at once) at two sizes, solved for alpha and
+    # beta of the ring formula
     def allreduce_seconds(elems: int, rounds: int = 40) -> float:
-        """Seconds of one all-reduce inside a program: a loop of ``rounds`` all-reduces (each round sums the
-        devices' rows and hands every device the sum), less the same loop without the collective."""
+        """Seconds of one all-reduce inside a program: a loop of ``rounds`` all-reduces (each round sums a
+        host's devices' rows and hands each of them the sum), less the same loop without the collective."""
         y = spread((elems,))
+
+        def in_hosts(z: Any) -> Any:
+            total = z.reshape(hosts, per_host, elems).sum(axis=1, keepdims=True) * (1.0 / per_host)
+            return jax.lax.with_sharding_constraint(jnp.broadcast_to(total, (hosts, per_host, elems)).reshape(n, elems), per_device)
 
         def loop(body: Callable[[Any], Any]) -> Any:
             return jax.jit(lambda y: jax.lax.fori_loop(0, rounds, lambda _, z: body(z), y), out_shardings=per_device)
 
-        reduce = loop(lambda z: jax.lax.with_sharding_constraint(
-            jnp.broadcast_to(z.sum(axis=0, keepdims=True) * (1.0 / n), z.shape), per_device))
-        local = loop(lambda z: z * (1.0 / n))
+        reduce = loop(in_hosts)
+        local = loop(lambda z: z * (1.0 / per_host))
         return max(_median_seconds(lambda: reduce(y), repeats) - _median_seconds(lambda: local(y), repeats), 1e-7 * rounds) / rounds
 
     small, large = sizes.allreduce
-    if n > 1:
+    if per_host > 1:
         t_small, t_large = allreduce_seconds(small), allreduce_seconds(large)
-        ring = 2 * (n - 1) / n * 4  # bytes on the wire per element of the reduced tensor
+        ring = 2 * (per_host - 1) / per_host * 4  # bytes on the wire per element of the reduced tensor
         beta = max((t_large - t_small) / (ring * (large - small)), 1e-15)
         alpha = max(t_small - beta * ring * small, 1e-7)
         intra_bw, intra_lat = 1.0 / beta, alpha

@@ -158,9 +158,11 @@ class ClusterSpec:
         devices are JAX's GPUs: the cluster is ``local(..., platform="gpu")`` (named ``gpu:HxD (calibrated)``), which
         ``parallelize`` then plans with by default.
 
-        One host's devices (the first ``devices_per_host``) are measured, all at once: a stage's
-        sub-mesh lies within a host in most plans, and simulated CPU devices share the machine's
-        cores, so they are measured sharing them as a host's mesh does. The calibration is saved
+        Accelerators: one host's devices (the first ``devices_per_host``) are measured, all at once, as a
+        stage's sub-mesh (within a host in most plans) runs. Simulated CPU devices: every host's, all at
+        once, collectives within each host: they all share this machine's cores, and a pipeline's meshes
+        run at the same time, each slowing the others (calibrated on one host's devices alone, the tiny
+        models' stages ran 1.1-1.8x slower than predicted; ``benchmarks/calibration.py``). The calibration is saved
         for ``hosts`` x ``devices_per_host`` in this process (what ``local(hosts, devices_per_host)``
         looks up first; a Ray cluster's calibration of the same shape is kept apart).
         """
@@ -173,8 +175,11 @@ class ClusterSpec:
         n = hosts * devices_per_host
         if n < 1 or n > len(have):
             raise ClusterError(f"cannot calibrate {hosts}x{devices_per_host} devices: JAX sees {len(have)} here")
-        result = replace(calibrate(have[:devices_per_host], repeats=repeats), hosts=hosts, devices_per_host=devices_per_host,
-                         runtime="process")
+        if have[0].platform == "cpu":  # simulated: every host's devices share this machine's cores, as the meshes run
+            measured = calibrate(have[:n], repeats=repeats, hosts=hosts)
+        else:
+            measured = calibrate(have[:devices_per_host], repeats=repeats)
+        result = replace(measured, hosts=hosts, devices_per_host=devices_per_host, runtime="process")
         if save:
             result.save(calibration_path(result.platform, hosts, devices_per_host, "process"))
         return result.apply(cls.local(hosts, devices_per_host, calibrated=False, platform=result.platform))
