@@ -186,7 +186,8 @@ class RayCluster:
         """Measure this cluster: the spec to plan with, its numbers measured on the cluster's own workers.
 
         A mesh worker on host 0 runs the cost model's microbenchmarks on all its devices at once
-        (``cost.calibrate``); with two hosts or more, a worker on host 1 fetches arrays of
+        (``cost.calibrate``), while a worker on host 1 (with two hosts or more) runs the same, as the meshes
+        of a pipeline run together (on one machine they share its cores); then host 1's worker fetches arrays of
         ``sizes`` bytes that host 0's worker put in its object store (the path a cross-mesh region
         takes), fitted to a line for the host-to-host latency and bandwidth; a cross-mesh message's
         fixed cost (``transfer_overhead``) is that latency plus an actor call's round trip.
@@ -215,7 +216,10 @@ class RayCluster:
             workers.append(actor_cls.options(**opts).remote(h, h, self.devices_per_host, self.platform))
         t0 = time.perf_counter()
         try:
-            measured = Calibration(**ray.get(workers[0].calibrate.remote(repeats), timeout=600))
+            # every started worker runs the benchmarks at once, host 0's kept: hosts that share a machine's cores
+            # (a local cluster of simulated devices) are measured sharing them, as a pipeline's meshes run
+            runs = ray.get([w.calibrate.remote(repeats) for w in workers], timeout=600)
+            measured = Calibration(**runs[0])
             measured = replace(measured, num_devices=self.hosts * self.devices_per_host, hosts=self.hosts,
                                devices_per_host=self.devices_per_host, runtime="ray")
             if len(workers) == 2:
