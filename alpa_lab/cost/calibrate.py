@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import statistics
 import tempfile
@@ -68,6 +69,7 @@ class Calibration:
 
     platform: str
     num_devices: int
+    """the devices measured at once (simulated CPU devices: every host's; accelerators: one host's)"""
     device_flops: float
     memory_bandwidth: float
     op_overhead: float
@@ -191,21 +193,21 @@ def _fastest_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _paired_medians(fa: Callable[[], Any], fb: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """Median seconds of ``fa`` and of ``fb``, their runs interleaved: what the machine does meanwhile (this one
-    is shared) then weighs on both alike, and a difference of the two is steadier than of two separate series."""
+    """Median seconds of ``fa`` and of ``fb``, their runs interleaved (a b, b a, a b, ...): what the machine does
+    meanwhile (this one is shared) then weighs on both alike, and a difference of the two is steadier than of two
+    separate series."""
     import jax
 
     jax.block_until_ready(fa())  # compile and warm up
     jax.block_until_ready(fb())
-    ta, tb = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fa())
-        t1 = time.perf_counter()
-        jax.block_until_ready(fb())
-        ta.append(t1 - t0)
-        tb.append(time.perf_counter() - t1)
-    return statistics.median(ta), statistics.median(tb)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(repeats):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            fn = fa if which == 0 else fb
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[which].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 @dataclass(frozen=True)
@@ -242,8 +244,13 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
     t_start = time.perf_counter()
     devices = list(jax.devices()) if devices is None else list(devices)
     n = len(devices)
-    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or n % hosts:
-        raise ClusterError(f"cannot split {n} devices into {hosts!r} hosts of equally many devices")
+    try:
+        hosts = operator.index(hosts) if not isinstance(hosts, bool) else -1
+    except TypeError:
+        hosts = -1
+    if hosts < 1 or n % hosts:
+        raise ClusterError(f"cannot split {n} devices into hosts of equally many devices: hosts must be a positive "
+                           f"integer dividing {n}")
     per_host = n // hosts
     mesh = Mesh(np.array(devices, dtype=object).reshape(hosts, per_host), ("x", "y"))
     per_device = NamedSharding(mesh, PartitionSpec(("x", "y")))  # a leading axis of n: one block per device

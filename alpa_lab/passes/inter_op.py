@@ -58,6 +58,7 @@ __all__ = [
     "brute_force_stages",
     "logical_shapes",
     "pipeline_latency",
+    "profile_stage_options",
     "stage_dp",
     "stage_dp_capped",
     "stage_dp_uniform",
@@ -444,7 +445,7 @@ def _f_rows(
     t_max: float,
     S: int,
     needs: list[int] | None = None,
-    combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+    combine: np.ufunc = np.add,
     base: float = 0.0,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(s, F[s]) for s = 1..S (``_solve_f``), F[0] being ``base`` at (L, 0) and inf elsewhere.
@@ -487,8 +488,9 @@ def _solve_f(
     Position s uses the options eligible for ``needs[s]`` micro-batches in flight (every fastest
     option when ``needs`` is None), those no slower than ``t_max``. With ``stop_at``, stops after the
     first s with F[s, 0, D] == stop_at (the rest is left inf; it is not needed to reconstruct that s).
-    Only finite stage times are combined (``_Dense.bands``): an inf term never wins a min, so F is
-    the same as over every (k, end) pair, bit for bit.
+    Only the runs of stage times <= t_max are combined (``_Dense.bands``; a start inside a run with
+    no such option is an inf term, which never wins a min), so F is the same as over every (k, end)
+    pair, bit for bit.
     """
     F = np.full((S + 1, dense.L + 1, dense.D + 1), np.inf)
     F[0, dense.L, 0] = 0.0
@@ -504,7 +506,7 @@ def _totals(
     t_max: float,
     S: int,
     needs: list[int] | None = None,
-    combine: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add,
+    combine: np.ufunc = np.add,
     base: float = 0.0,
 ) -> np.ndarray:
     """F[:, 0, D] of ``_solve_f`` (item 0 inf) without the table: what the search over t_max compares."""

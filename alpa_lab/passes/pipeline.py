@@ -986,10 +986,19 @@ def plan_pipeline(
     # candidates (``plain``: the transfer term guesses links, so eq. 2's own optima stay and the
     # simulation picks from more) are searched in another thread meanwhile. The DP is numpy over
     # large rows, which runs outside the GIL: on GPT-3 175B the two searches take 1.6x less together.
-    profile_stage_options(L, N, M, cost, profiled, submesh_space)
-    plain_table: dict = {}
-    if transfers:
-        profile_stage_options(L, N, M, plain_cost, plain_table, submesh_space)
+    def not_fitting(err: InterOpError) -> InterOpError:
+        return InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches")
+
+    try:
+        profile_stage_options(L, N, M, cost, profiled, submesh_space)
+    except InterOpError as err:
+        raise not_fitting(err) from err
+    plain_table: dict | None = {} if transfers else None
+    if plain_table is not None:
+        try:
+            profile_stage_options(L, N, M, plain_cost, plain_table, submesh_space)
+        except InterOpError:  # as the DP below would: eq. 2's own candidates are then left out
+            plain_table = None
 
     def plain_candidates() -> list[InterOpPlan]:
         try:
@@ -1000,12 +1009,12 @@ def plan_pipeline(
         return [plain] + _fewer_stage_optima(problem, plain, num_microbatches, max_stages, plain_cost, rule, plain_table)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        plain_found = pool.submit(plain_candidates) if transfers else None
+        plain_found = pool.submit(plain_candidates) if plain_table is not None else None
         try:
             inter = stage_dp(L, N, M, num_microbatches, cost, max_stages=max_stages, in_flight=rule, cache=profiled,
                              submesh_space=submesh_space)
         except InterOpError as err:
-            raise InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches") from err
+            raise not_fitting(err) from err
         candidates = [inter] + _fewer_stage_optima(problem, inter, num_microbatches, max_stages, cost, rule, profiled)
         if max_stages is None:  # equal sub-meshes spread the hops between hosts over more stages (stage_dp_uniform)
             candidates += stage_dp_uniform(L, N, M, num_microbatches, cost, in_flight=rule, cache=profiled,

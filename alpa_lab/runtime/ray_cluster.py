@@ -186,8 +186,8 @@ class RayCluster:
         """Measure this cluster: the spec to plan with, its numbers measured on the cluster's own workers.
 
         A mesh worker on host 0 runs the cost model's microbenchmarks on all its devices at once
-        (``cost.calibrate``), while a worker on host 1 (with two hosts or more) runs the same, as the meshes
-        of a pipeline run together (on one machine they share its cores); then host 1's worker fetches arrays of
+        (``cost.calibrate``; simulated CPU devices: while a worker on host 1 runs the same, as a pipeline's
+        meshes load the machine's shared cores together); with two hosts or more, host 1's worker fetches arrays of
         ``sizes`` bytes that host 0's worker put in its object store (the path a cross-mesh region
         takes), fitted to a line for the host-to-host latency and bandwidth; a cross-mesh message's
         fixed cost (``transfer_overhead``) is that latency plus an actor call's round trip.
@@ -216,10 +216,10 @@ class RayCluster:
             workers.append(actor_cls.options(**opts).remote(h, h, self.devices_per_host, self.platform))
         t0 = time.perf_counter()
         try:
-            # every started worker runs the benchmarks at once, host 0's kept: hosts that share a machine's cores
-            # (a local cluster of simulated devices) are measured sharing them, as a pipeline's meshes run
-            runs = ray.get([w.calibrate.remote(repeats) for w in workers], timeout=600)
-            measured = Calibration(**runs[0])
+            # simulated devices: every started worker runs the benchmarks at once, host 0's kept, as hosts sharing
+            # a machine's cores are loaded when a pipeline's meshes run (two of them: a lower bound of that load)
+            busy = workers if self.platform == "cpu" else workers[:1]
+            measured = Calibration(**ray.get([w.calibrate.remote(repeats) for w in busy], timeout=600)[0])
             measured = replace(measured, num_devices=self.hosts * self.devices_per_host, hosts=self.hosts,
                                devices_per_host=self.devices_per_host, runtime="ray")
             if len(workers) == 2:
