@@ -279,11 +279,13 @@ def test_events_polled_from_threads_at_once_come_back_once_in_the_driver_clock(c
         recvs = [e for e in everything if e.kind == "recv"]
         assert recvs and all(e.start <= e.end for e in everything)
         assert all(t0 - 0.05 <= e.start and e.end <= t1 + 0.05 for e in everything)
-        # a RECV starts when its SEND did (both on the sender's clock, moved by the sender's offset)
+        # a RECV starts when its SEND did (both on the sender's clock, moved by the sender's offset); the offsets are
+        # estimates, so a short transfer that would end before it starts is cut to start at its end (align_events:
+        # seen once in CI, a 512-byte RECV on a loaded machine)
         sends = [e for e in everything if e.kind == "send"]
         for r in recvs:
             assert any((s.worker, s.peer, s.var, s.step, s.nbytes) == (r.peer, r.worker, r.var, r.step, r.nbytes)
-                       and abs(s.start - r.start) < 1e-6 for s in sends), r
+                       and (abs(s.start - r.start) < 1e-6 or r.start == r.end < s.start) for s in sends), r
 
 
 def test_step_seconds_leave_the_state_copy_out(cluster):
