@@ -982,13 +982,13 @@ def plan_pipeline(
     def plain_cost(*a: Any) -> StageCost | None:
         return cost(*a, transfers=False)
 
+    def not_fitting(err: InterOpError) -> InterOpError:
+        return InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches")
+
     # Both tables are profiled here, so the DP runs below call no cost function: the paper's eq. 2
     # candidates (``plain``: the transfer term guesses links, so eq. 2's own optima stay and the
     # simulation picks from more) are searched in another thread meanwhile. The DP is numpy over
     # large rows, which runs outside the GIL: on GPT-3 175B the two searches take 1.6x less together.
-    def not_fitting(err: InterOpError) -> InterOpError:
-        return InterOpError(f"{err}; the model may not fit this cluster: use more devices or more micro-batches")
-
     try:
         profile_stage_options(L, N, M, cost, profiled, submesh_space)
     except InterOpError as err:
