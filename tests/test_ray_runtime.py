@@ -260,6 +260,17 @@ def test_a_worker_killed_under_a_training_run_fails_it_by_name_and_keeps_the_las
         rr = run.ray_run
         killed.update(worker=rr.workers[1], at=time.monotonic())
         ray.kill(rr.actors[1], no_restart=True)
+        # ray.kill only asks: a call that reaches the worker first is still served (once in CI, the final state's
+        # fetch, and the run ended "stopped"). Wait until the worker is gone, so what follows finds it dead.
+        for _ in range(300):
+            try:
+                ray.get(rr.actors[1].clock.remote(), timeout=10)
+            except ray.exceptions.RayActorError:
+                return
+            except ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.1)
+        raise AssertionError("the killed mesh worker still answers after 30 s")
 
     class StopAfterTwo(RunMonitor):
         """A real monitor: once step 2 is recorded, the worker is killed and the run stopped."""
