@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import operator
 import os
 import statistics
 import tempfile
@@ -244,13 +243,10 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
     t_start = time.perf_counter()
     devices = list(jax.devices()) if devices is None else list(devices)
     n = len(devices)
-    try:
-        hosts = operator.index(hosts) if not isinstance(hosts, bool) else -1
-    except TypeError:
-        hosts = -1
-    if hosts < 1 or n % hosts:
+    if isinstance(hosts, bool) or not isinstance(hosts, (int, np.integer)) or hosts < 1 or n % hosts:
         raise ClusterError(f"cannot split {n} devices into hosts of equally many devices: hosts must be a positive "
                            f"integer dividing {n}")
+    hosts = int(hosts)
     per_host = n // hosts
     mesh = Mesh(np.array(devices, dtype=object).reshape(hosts, per_host), ("x", "y"))
     per_device = NamedSharding(mesh, PartitionSpec(("x", "y")))  # a leading axis of n: one block per device

@@ -340,7 +340,7 @@ class _Dense:
         self.sizes, self.shift = sizes, shift
         self.L, self.D = L, D
         self._times: dict[int | None, np.ndarray] = {}
-        self._bands: dict[int | None, list] = {}
+        self._diagonals: dict[int | None, list] = {}  # per need, for bands()
         self._options: tuple[np.ndarray, ...] | None = None  # start, end, size index, time, limit, fastest
         self.times = self.times_for(None)
 
@@ -377,17 +377,18 @@ class _Dense:
         range has no option <= t_max. Each run spans the starts from the first to the last one allowed, so
         the DP combines it with a contiguous block of rows (views, no gathers). Memory limits and t_max keep
         stages a few layers wide, so there are few runs (14 widths at most for GPT-3 175B's 96 layers)."""
-        diagonals = self._bands.get(need)
+        diagonals = self._diagonals.get(need)
         if diagonals is None:  # per (size, width): the times along that diagonal, and their running minima
             table, diagonals = self.times_for(need), []
             for j, size in enumerate(self.sizes):
                 t = table[:, :, j]
-                for width in np.unique(np.subtract(*np.nonzero(np.isfinite(t))[::-1])):
+                starts, ends = np.nonzero(np.isfinite(t))
+                for width in np.unique(ends - starts):
                     v = np.diagonal(t, offset=int(width)).copy()  # v[k] = t[k, k + width]
                     left = -np.minimum.accumulate(v)  # ascending: searchsorted finds the first start <= a time
                     right = -np.minimum.accumulate(v[::-1])  # likewise the last start
                     diagonals.append((size, int(width), v, left, right, float(v[np.isfinite(v)].max())))
-            self._bands[need] = diagonals
+            self._diagonals[need] = diagonals
         out = []
         for size, width, v, left, right, slowest in diagonals:
             limit = min(t_max, slowest)  # finite: an infinite time is never allowed
