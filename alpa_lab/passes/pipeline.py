@@ -638,9 +638,9 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
     beyond the ops and those (reshardings read by no op of the stage) goes to the forward.
     Each phase runs as one program (a unit task) per micro-batch, the update once per step:
     one launch each. A phase that makes tensors summed over the micro-batches (the backward's
-    weight gradients, the loss) adds them to their sums in that program (``runtime.accumulate``):
-    their seconds (``accumulation_seconds``), no launch. The sums' zeros and their average, once
-    per step and per mesh, are left out, as the runtime records them in no phase.
+    weight gradients, the loss) adds their sums, one more program (``accumulation_seconds``). The
+    average, once per step and per mesh (``runtime.accumulate.averaged``), is left out, as the
+    runtime records it in no phase.
     """
     stage_ops = problem.slicing.ops_of(range(*layers))
     phase = {problem.graph.ops[i].name: problem.slicing.phase[i] for i in stage_ops}
@@ -661,8 +661,10 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
             rest -= r.cost
     comm[FORWARD] += rest
     launches = {p: 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0 for p in (FORWARD, BACKWARD, APPLY)}
-    for name, add in accumulation_seconds(problem, plan, layers).items():  # beyond the objective, in the same program
-        compute[phase.get(name, FORWARD)] += add
+    for name, add in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
+        p = phase.get(name, FORWARD)
+        compute[p] += add
+        launches[p] = 2.0  # the phase's program, and its sums'
     return {p: CostParts(compute[p], comm[p], launches[p]) for p in (FORWARD, BACKWARD, APPLY)}
 
 
@@ -710,10 +712,9 @@ def plan_stages(
         plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
         f, b, a, w, act = _stage_figures(problem, plan, layers)
         wt = sum(o.compute_cost + o.communication_cost for o in plan.ops if o.name in deferred)
-        if deferred:  # B and W are two programs: W's launch is the second, and W adds its weight gradients' sums
-            wt += sum(add for name, add in accumulation_seconds(problem, plan, layers).items() if name in deferred)
-            wt += problem.cluster.task_overhead
-            b += problem.cluster.task_overhead
+        if deferred:  # the weight gradients' sums run after W, in its RUN
+            sums = [add for name, add in accumulation_seconds(problem, plan, layers).items() if name in deferred]
+            wt += sum(sums) + (problem.cluster.task_overhead if sums else 0.0)
         results.append(
             StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, report.peak_in_flight[i], wt)
         )

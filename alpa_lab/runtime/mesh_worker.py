@@ -209,18 +209,10 @@ class MeshWorker:
             )
             for key, moves in program.moves_out.items()
         }
-        from alpa_lab.runtime.accumulate import summing_task
-
-        self._fns, self._summing = {}, {}
+        self._fns = {}
         for t in [*program.tasks.values(), *program.update]:
             exported = jax.export.deserialize(bytearray(t.exported))
-            key = (t.stage, t.phase, t.outvars)
-            self._fns[key] = jax.jit(exported.call)
-            if key[:2] in program.tasks:  # per micro-batch: summed tensors are added to their sums in its program
-                self._summing[key] = summing_task(
-                    exported.call, t.outvars, program.accumulated, program.var_dtypes,
-                    [a.shape for a in exported.out_avals], exported.out_shardings_jax(self._meshes[t.stage]),
-                )
+            self._fns[(t.stage, t.phase, t.outvars)] = jax.jit(exported.call)
         self._shardings = {
             (t.stage, t.phase, t.outvars): [jax.sharding.NamedSharding(self._meshes[t.stage], p) for p in t.in_specs]
             for t in [*program.tasks.values(), *program.update]
@@ -320,7 +312,7 @@ class MeshWorker:
         """Run this worker's part of one training step; returns its results and traffic (and its state leaves)."""
         import jax
 
-        from alpa_lab.runtime.accumulate import averaged, run_summing
+        from alpa_lab.runtime.accumulate import accumulate, averaged
         from alpa_lab.runtime.pipeline import split_microbatches, walk_schedule
 
         prog = self._program
@@ -421,9 +413,11 @@ class MeshWorker:
             key = (task.stage, task.phase, task.outvars)
             ins = [fetch(v, mb, task.stage, sh) for v, sh in zip(task.invars, self._shardings[key])]
             t = time.time()
-            summing = self._summing.get(key) if mb >= 0 else None
-            outs = list(self._fns[key](*ins)) if summing is None else run_summing(summing, sums, ins)
-            jax.block_until_ready((outs, [sums[v] for v in summing.summed] if summing else []))
+            outs = list(self._fns[key](*ins))
+            summed = [(v, x) for v, x in zip(task.outvars, outs) if v in prog.accumulated] if mb >= 0 else []
+            if summed:
+                accumulate(sums, summed, prog.var_dtypes)
+            jax.block_until_ready((outs, [sums[v] for v, _ in summed]))
             self._record(Event(self.worker, self.mesh, task.stage, "run", task.phase, mb, step, t, time.time()))
             return outs
 
@@ -437,14 +431,14 @@ class MeshWorker:
                 store[(v, mb)] = x
                 left[(v, mb)] = prog.local_readers.get(v, 0)
                 send(v, mb, x, mb)
-                if left[(v, mb)] == 0:  # a summed output too: its sum was taken in the task's program
+                if left[(v, mb)] == 0 and v not in prog.accumulated:
                     del store[(v, mb)]
             for v in task.invars:
                 if v in prog.inputs:
                     continue
                 if (v, mb) in left:
                     left[(v, mb)] -= 1
-                    if left[(v, mb)] == 0:
+                    if left[(v, mb)] == 0 and v not in prog.accumulated:
                         store.pop((v, mb), None)
                         for st in prog.runs:
                             placed.pop((v, mb, st), None)

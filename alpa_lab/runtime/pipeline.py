@@ -31,7 +31,7 @@ from alpa_lab.graph.subgraph import subgraph
 from alpa_lab.passes.pipeline import StageResult, stage_tensor_specs
 from alpa_lab.passes.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 from alpa_lab.passes.stages import APPLY, ProgramSlicing, weight_gradient_ops
-from alpa_lab.runtime.accumulate import SummingTask, averaged, run_summing, summing_task
+from alpa_lab.runtime.accumulate import accumulate, averaged
 from alpa_lab.runtime.apply import DeviceError, compile_graph
 from alpa_lab.sharding.spec import ShardingSpec
 
@@ -52,8 +52,6 @@ class UnitTask:
     invars: tuple[int, ...]
     outvars: tuple[int, ...]
     in_shardings: tuple[NamedSharding, ...]
-    summing: SummingTask | None = None
-    """a per-micro-batch task that makes tensors summed over the micro-batches: ``fn`` with the sums in its program"""
 
 
 @dataclass(eq=False)
@@ -131,18 +129,12 @@ def compile_pipeline(
     op_plans = [{o.name: o for o in st.plan.ops if o.kind == "op"} for st in stages]
     spec = stage_tensor_specs(graph, slicing, stages, pieces)
 
-    accumulated = frozenset(slicing.accumulated)
-
     def unit(stage: int, phase: str, ops: list[int]) -> UnitTask:
         piece = subgraph(graph, ops)
         in_specs = [spec[stage][v] for v in piece.invars]
         out_specs = [spec[stage][v] for v in piece.outvars]
-        fn, ins, outs = compile_graph(piece.graph, op_plans[stage], in_specs, out_specs, meshes[stage])
-        summing = None
-        if phase != APPLY:  # per micro-batch: its weight gradients (and the loss) are summed in its program
-            summing = summing_task(fn, piece.outvars, accumulated, {v: graph.vars[v].dtype for v in piece.outvars},
-                                   [graph.vars[v].shape for v in piece.outvars], outs)
-        return UnitTask(stage, phase, fn, piece.invars, piece.outvars, ins, summing)
+        fn, ins, _ = compile_graph(piece.graph, op_plans[stage], in_specs, out_specs, meshes[stage])
+        return UnitTask(stage, phase, fn, piece.invars, piece.outvars, ins)
 
     tasks = {}
     deferred = weight_gradient_ops(graph, slicing, stage_of_op) if schedule.split_backward else frozenset()
@@ -255,7 +247,8 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     micro = {v: split_microbatches(x, M) for v, x, s in zip(graph.invars, flat_args, cp.split) if s}
     placed: dict[tuple, Any] = {}  # (var, micro-batch or -1, stage) -> array on that stage's mesh
     store: dict[tuple[int, int], Any] = {}  # (var, micro-batch) -> value on its producer's mesh
-    dtypes = {v: graph.vars[v].dtype for v in sl.accumulated}
+    accumulated = set(sl.accumulated)
+    dtypes = {v: graph.vars[v].dtype for v in accumulated}
     sums: dict[int, Any] = {}
     step_values: dict[int, Any] = {}  # once-per-step tensors: averages and update results
 
@@ -295,10 +288,12 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         task = cp.tasks[(s, phase)]
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
         t = time.perf_counter()
-        # a task making summed tensors adds them to their sums in its own program (runtime.accumulate)
-        outs = task.fn(*ins) if task.summing is None else run_summing(task.summing, sums, ins)
+        outs = task.fn(*ins)
+        made = [(v, x) for v, x in zip(task.outvars, outs) if v in accumulated]
+        if made:  # the RUN instruction includes its accumulation (one program, runtime.accumulate)
+            accumulate(sums, made, dtypes)
         if cp.profile:
-            jax.block_until_ready((outs, [sums[v] for v in task.summing.summed] if task.summing else []))
+            jax.block_until_ready((outs, [sums[v] for v, _ in made]))
         end = time.perf_counter()
         records.append((s, phase, mb, t - t0, end - t0))
         for v, x in zip(task.outvars, outs):
