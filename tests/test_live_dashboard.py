@@ -37,7 +37,12 @@ EXECUTE_JS = """async (code) => {
         if (msg.header.msg_type === 'error') error = msg.content.evalue;
     };
     const t0 = performance.now();
-    await future.done;
+    // a lost kernel connection (the server drops a browser that stops answering its pings) never
+    // settles the future: give up after 90 s, so the test fails and says so instead of hanging CI
+    const late = new Promise((resolve) => setTimeout(() => resolve('timeout'), 90000));
+    if (await Promise.race([future.done.then(() => 'done'), late]) === 'timeout') {
+        error = `no reply within 90 s (kernel connection: ${kernel.connectionStatus}, kernel: ${kernel.status})`;
+    }
     return {result, error, ms: performance.now() - t0};
 }"""
 
@@ -84,7 +89,13 @@ def test_dashboard_updates_live_the_kernel_stays_free_and_stop_stops(page, lab):
         # the dashboard's Stop button stops the run after the step in progress
         out.locator("button", has_text="Stop").first.click()
         # the output area, not the header: when the run ends its widget is replaced by a static copy of the last state
-        pg.wait_for_function("(el) => el.innerText.includes('stopped')", arg=out.element_handle(), timeout=60_000)
+        try:
+            pg.wait_for_function("(el) => el.innerText.includes('stopped')", arg=out.element_handle(), timeout=60_000)
+        except Exception as exc:  # a timeout: say where the run and the dashboard were
+            state = pg.evaluate(EXECUTE_JS, "(run, run.error, wb.dashboard.updates, wb.dashboard._thread.is_alive(), "
+                                            "run._stop.is_set(), run._thread.is_alive())")
+            pytest.fail(f"the dashboard did not show 'stopped' within 60 s ({exc}); kernel: {state}\n"
+                        f"{_describe(_cells(pg))}\n{lab.log_tail()}")
         done = pg.evaluate(EXECUTE_JS, "run.wait(60); (run.status, run.monitor.steps_done)")
         assert done["error"] is None and done["result"].startswith("('stopped'"), done
         final = int(re.search(r"(\d+)\)", done["result"]).group(1))

@@ -90,8 +90,8 @@ def test_a_layer_graph_shared_by_the_methods_prices_them_as_a_fresh_build():
     graph = step.trace(*ex.args)
     shared = PipelineProblem.build(graph, step.cluster)
     for method in ("alpa", "megatron", "zero3"):  # the first builds, the others reuse its graph
-        fresh = PipelineProblem.build(graph, step.cluster)
-        assert shared.layer_cost(0, (1, 4), (1, 4), method) == fresh.layer_cost(0, (1, 4), (1, 4), method)
+        fresh = PipelineProblem.build(graph, step.cluster)  # (2, 2): not a line, so no view borrows another's costs
+        assert shared.layer_cost(0, (1, 4), (2, 2), method) == fresh.layer_cost(0, (1, 4), (2, 2), method)
     assert len(shared.layer_graphs) == 1
 
 
@@ -482,3 +482,39 @@ def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(m
     assert [(st.layers, st.device_ids, st.logical_shape, st.plan.method) for st in with_prefetch] == [
         (st.layers, st.device_ids, st.logical_shape, st.plan.method) for st in without]
     assert timeline.makespan == timeline_without.makespan
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt", "moe", "wide_resnet"])
+def test_a_line_of_devices_viewed_as_1xn_or_nx1_has_one_set_of_layer_costs(model):
+    """The (1, n) view of a sub-mesh takes its layer costs from the (n, 1) view (one ILP for both): each
+    equals the ILP solved on that view itself, for every method that treats the axes alike; Megatron's
+    restriction is axis-specific (batch on axis 0) and 2-D views are not lines, so those are solved apart."""
+    from alpa_lab.passes.methods import AXIS_SYMMETRIC_METHODS
+
+    ex = tiny_example(model)
+    cluster = al.ClusterSpec.local(2, 4)
+    graph = al.parallelize(ex.train_step, cluster=cluster, microbatches=2, layers=2).trace(*ex.args)
+    problem = PipelineProblem.build(graph, cluster)
+    reps = sorted({problem.layer_keys.index(k) for k in problem.layer_keys})
+    checked = 0
+    for submesh in [(1, 2), (1, 4), (2, 4)]:
+        n = submesh[0] * submesh[1]
+        assert problem.transposed_twin(submesh, (1, n), "megatron") is None
+        assert problem.transposed_twin(submesh, (n, 1), "alpa") is None
+        if n == 4:
+            assert problem.transposed_twin(submesh, (2, 2), "alpa") is None
+        for method in AXIS_SYMMETRIC_METHODS:
+            assert problem.transposed_twin(submesh, (1, n), method) == (n, 1)
+            for layer in reps:
+                own = problem._solve_layer(layer, submesh, (1, n), method)  # no twin: its own ILP
+                twin = problem._solve_layer(layer, submesh, (n, 1), method)
+                shared = problem.layer_cost(layer, submesh, (1, n), method)
+                assert (own is None) == (twin is None) == (shared is None), (submesh, method, layer)
+                if own is None:
+                    continue
+                for got in (twin, shared):
+                    assert got.time == pytest.approx(own.time, rel=1e-9), (submesh, method, layer)
+                    assert got.weight_memory + got.activation_memory == pytest.approx(
+                        own.weight_memory + own.activation_memory, rel=1e-9), (submesh, method, layer)
+                checked += 1
+    assert checked >= 3 * 2 * len(reps)  # some methods cannot apply to every layer (None on both views)

@@ -26,6 +26,10 @@ from alpa_lab.sharding.spec import ShardingSpec
 
 METHODS = ("alpa", "data_parallel", "zero2", "zero3", "megatron")
 
+AXIS_SYMMETRIC_METHODS = ("alpa", "data_parallel", "zero2", "zero3")
+"""methods whose restrictions treat both mesh axes alike (Megatron's do not: batch on axis 0, weights on 1),
+so a 1-D mesh laid along either axis is the same problem"""
+
 REWRITE_TOLERANCE = 0.01
 """The weight-update rewrite is kept unless it makes the predicted step this much slower."""
 

@@ -46,7 +46,7 @@ from alpa_lab.passes.inter_op import (
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
 )
-from alpa_lab.passes.methods import TIE_PERIODS, make_plan, method_restrictions, solve_tied
+from alpa_lab.passes.methods import AXIS_SYMMETRIC_METHODS, TIE_PERIODS, make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, Schedule, Timeline, check, make_schedule, one_f_one_b_estimate, one_f_one_b_windows,
     simulate,
@@ -184,10 +184,30 @@ class PipelineProblem:
         """The intra-op ILP's cost of a layer (cached per repeated-layer key, mesh and method)."""
         key = (self.layer_keys[layer], submesh, logical, method)
         if key not in self.layer_costs:
+            twin = self.transposed_twin(submesh, logical, method)
+            if twin is not None:  # the same problem with its mesh axis renamed: the same costs
+                self.layer_costs[key] = self.layer_cost(layer, submesh, twin, method)
+                return self.layer_costs[key]
             t0 = time.perf_counter()
             self.layer_costs[key] = self._solve_layer(layer, submesh, logical, method)
             self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
         return self.layer_costs[key]
+
+    def transposed_twin(self, submesh: Shape, logical: Shape, method: str) -> Shape | None:
+        """(n, 1) for a (1, n) logical mesh whose one axis costs what the (n, 1) view's axis costs; else None.
+
+        Strategies only use axes of size > 1, so the two views of one line of devices give the same
+        strategies with axis 1 renamed 0, the same costs, and one ILP serves both (for the methods
+        that treat the axes alike). The check is on the meshes' own numbers: a cluster whose views
+        differ (an axis across hosts) is solved twice.
+        """
+        if method not in AXIS_SYMMETRIC_METHODS or logical[0] != 1 or logical[1] == 1:
+            return None
+        twin = (logical[1], 1)
+        a, b = cost_signature(self.mesh(submesh, logical)), cost_signature(self.mesh(submesh, twin))
+        swapped = dataclasses.replace(a, shape=b.shape, alpha=a.alpha[::-1], beta=a.beta[::-1], axis_names=b.axis_names)
+        same = swapped == dataclasses.replace(b, alpha=(b.alpha[0], swapped.alpha[1]), beta=(b.beta[0], swapped.beta[1]))
+        return twin if same else None
 
     def _layer_graph(self, layer: int, submesh: Shape, logical: Shape) -> tuple[list[int], StrategyGraph, dict[int, str]]:
         """The intra-op problem of one layer on one logical mesh (the methods restrict its solve, not it)."""
@@ -339,8 +359,13 @@ class PipelineProblem:
             return
 
         def solve(mesh: tuple[Shape, Shape], how: str) -> None:
+            twin = self.transposed_twin(*mesh, how)
             for k, lay in reps.items():
-                if (k, *mesh, how) not in self.layer_costs:
+                if (k, *mesh, how) in self.layer_costs:
+                    continue
+                if twin is not None and (k, mesh[0], twin, how) in self.layer_costs:
+                    self.layer_costs[(k, *mesh, how)] = self.layer_costs[(k, mesh[0], twin, how)]
+                else:
                     self.layer_costs[(k, *mesh, how)] = self._solve_layer(lay, *mesh, how)
 
         def work(mesh: tuple[Shape, Shape]) -> None:
@@ -348,12 +373,15 @@ class PipelineProblem:
             for how in more(*mesh):
                 solve(mesh, how)
 
+        # a (1, n) view whose (n, 1) twin is also asked for goes after it, and copies what the two share
+        later = [m for m in todo if (twin := self.transposed_twin(*m, method)) is not None and (m[0], twin) in todo]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for done in as_completed([pool.submit(work, m) for m in todo]):
-                done.result()
-                if report is not None:
-                    report()
+            for batch in ([m for m in todo if m not in later], later):
+                for done in as_completed([pool.submit(work, m) for m in batch]):
+                    done.result()
+                    if report is not None:
+                        report()
         self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
 
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
