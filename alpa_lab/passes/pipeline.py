@@ -198,8 +198,8 @@ class PipelineProblem:
 
         Strategies only use axes of size > 1, so the two views of one line of devices give the same
         strategies with axis 1 renamed 0, the same costs, and one ILP serves both (for the methods
-        that treat the axes alike). The check is on the meshes' own numbers: a cluster whose views
-        differ (an axis across hosts) is solved twice.
+        that treat the axes alike). The check is on the two meshes' own numbers (latency, bandwidth,
+        device figures), so views that ever cost differently are each solved.
         """
         if method not in AXIS_SYMMETRIC_METHODS or logical[0] != 1 or logical[1] == 1:
             return None
