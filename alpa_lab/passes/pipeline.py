@@ -205,9 +205,9 @@ class PipelineProblem:
             return None
         twin = (logical[1], 1)
         a, b = cost_signature(self.mesh(submesh, logical)), cost_signature(self.mesh(submesh, twin))
-        swapped = dataclasses.replace(a, shape=b.shape, alpha=a.alpha[::-1], beta=a.beta[::-1], axis_names=b.axis_names)
-        same = swapped == dataclasses.replace(b, alpha=(b.alpha[0], swapped.alpha[1]), beta=(b.beta[0], swapped.beta[1]))
-        return twin if same else None
+        same_axis = (a.alpha[1], a.beta[1]) == (b.alpha[0], b.beta[0])  # the axis of size n in each view
+        same_rest = dataclasses.replace(a, shape=b.shape, alpha=b.alpha, beta=b.beta, axis_names=b.axis_names) == b
+        return twin if same_axis and same_rest else None
 
     def _layer_graph(self, layer: int, submesh: Shape, logical: Shape) -> tuple[list[int], StrategyGraph, dict[int, str]]:
         """The intra-op problem of one layer on one logical mesh (the methods restrict its solve, not it)."""
