@@ -176,6 +176,38 @@ def test_a_mapping_is_one_batch():
     assert batch_stream((batch, 3), 2)(1) == (batch, 3)  # a tuple: the step's arguments after the state
 
 
+def test_the_timeline_tab_is_redrawn_live_only_while_shown(mlp):
+    """The Timeline tab's figures are new plotly widgets on each redraw, a heavy render for the
+    browser: while the run goes they are redrawn only while that tab is shown (the measured table
+    still follows), when the tab is shown, and when the run ends."""
+    ex, step, plan = mlp
+    wb = Workbench(plan, step)
+    wb.tabs.selected_index = 0  # the Overview
+
+    def batches(i: int):
+        time.sleep(0.01)
+        return ex.batch
+
+    before = wb.timeline_box.children
+    run = wb.launch(ex.state, batches, steps=100_000)
+    try:
+        t0 = time.monotonic()
+        # redraws came due (every TIMELINE_EVERY s) with the tab hidden: the table follows the run, the figures wait
+        while "measured against predicted" not in wb.overview_measured.value:
+            assert time.monotonic() - t0 < 120 and run.running, run.error
+            time.sleep(0.05)
+        assert wb._timeline_stale and wb.timeline_box.children == before
+        wb.tabs.selected_index = 2  # shown: drawn now, with the run's measurements
+        assert wb.timeline_box.children != before and not wb._timeline_stale
+        assert any(b.source == "measured" for b in wb.timeline_bars())
+        wb.tabs.selected_index = 0
+        shown = wb.timeline_box.children
+    finally:
+        run.stop()
+        wb.wait(120)
+    assert run.status == "stopped" and wb.timeline_box.children != shown  # the end is drawn, shown or not
+
+
 def test_a_run_keeps_the_plan_it_was_launched_with(mlp):
     """Re-planning while a run trains (step.use, the workbench's edits) changes the next run, not this one.
 
@@ -333,6 +365,70 @@ def test_single_mesh_run_profile_and_recalibrate():
     assert new.cluster == prof.cluster().to_dict() and step.current_plan is new
     scratch = al.parallelize(ex.train_step, cluster=prof.cluster()).plan(ex.state, ex.batch)
     assert new == scratch
+
+
+def test_once_a_browser_shows_the_dashboard_one_redraw_at_a_time_is_in_flight(mlp, monkeypatch):
+    """Back-pressure: a redraw is sent only when the browser drew the last one (or a cell runs, or
+    it has not answered for ``max_wait``); the run's end is drawn regardless.
+
+    The browser's side (``_Pacer``'s script acknowledging each redraw once drawn) runs in
+    test_live_dashboard; here the acknowledgements are set as the kernel would receive them.
+    """
+    from alpa_lab.notebook import dashboard as dmod
+
+    ex, step, plan = mlp
+    monkeypatch.setattr(dmod, "_cell_running", False)
+
+    def batches(i: int):
+        time.sleep(0.005)
+        return ex.batch
+
+    def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < timeout, f"{what} within {timeout} s"
+            time.sleep(0.01)
+
+    run = step.train(ex.state, batches, steps=100_000, start=False)
+    dash = Dashboard(run, interval=0.02, max_wait=60)
+    pacer = dash._pacer
+    try:
+        run.start()
+        wait_for(lambda: run.monitor.steps_done >= 3, "3 steps")
+        u = dash.updates  # no browser yet (seen = -1): every change is drawn
+        wait_for(lambda: dash.updates >= u + 5, "5 redraws without a browser")
+        assert dash.waits == 0
+        # a browser drew all it was sent: one more redraw goes, then none until it acknowledges that one
+        pacer.seen = pacer.sent
+        wait_for(lambda: pacer.sent == pacer.seen + 1, "the next redraw")
+        held, steps = dash.updates, run.monitor.steps_done
+        wait_for(lambda: run.monitor.steps_done >= steps + 10 and dash.waits >= 5, "10 steps not drawn")
+        assert dash.updates == held and pacer.sent == pacer.seen + 1
+        pacer.seen = pacer.sent  # acknowledged: the next redraw shows the newest state
+        wait_for(lambda: dash.updates > held, "a redraw after the acknowledgement")
+        assert dash.state.steps_done >= steps + 10
+        # while a cell runs, acknowledgements wait behind it in the shell: the clock paces the redraws
+        monkeypatch.setattr(dmod, "_cell_running", True)
+        held = dash.updates
+        wait_for(lambda: dash.updates >= held + 5, "5 redraws while a cell runs")
+        monkeypatch.setattr(dmod, "_cell_running", False)
+        # a browser that stopped answering (its tab closed): one redraw per max_wait at most
+        dash.max_wait = 0.25
+        held, t0 = dash.updates, time.monotonic()
+        time.sleep(2.0)
+        sent, took = dash.updates - held, time.monotonic() - t0
+        assert 1 <= sent <= took / 0.25 + 1, (sent, took)
+        # the end of the run is drawn, acknowledged or not
+        dash.max_wait = 60
+        wait_for(lambda: pacer.sent > pacer.seen, "a redraw in flight")
+        run.stop()
+        run.wait(60)
+        dash.wait(60)
+        assert dash.state.status == "stopped" and dash.state.steps_done == run.monitor.steps_done
+    finally:
+        run.stop()
+        run.wait(60)
+        dash.close()
 
 
 def test_a_thousand_steps_keep_the_kernel_memory_bounded():

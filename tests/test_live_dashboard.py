@@ -3,7 +3,9 @@
 A notebook plans a tiny MLP with ``%%parallelize --ray local:2x2`` and launches a long run
 from the workbench; the browser must see the dashboard change several times while the run
 goes, the kernel must answer another request meanwhile, and the dashboard's Stop button must
-end the run (the step count stops growing). Uses the JupyterLab server and Chromium of
+end the run (the step count stops growing); the browser must have acknowledged the redraws it
+drew (the dashboard's back-pressure, which keeps a browser starved of CPU from falling minutes
+behind the kernel and losing its connection: seen in CI before it existed). Uses the JupyterLab server and Chromium of
 ``test_labextension`` (skips without Chromium, except under CI).
 """
 
@@ -102,5 +104,8 @@ def test_dashboard_updates_live_the_kernel_stays_free_and_stop_stops(page, lab):
         pg.wait_for_timeout(1500)
         later = pg.evaluate(EXECUTE_JS, "run.monitor.steps_done")
         assert int(later["result"]) == final and 3 <= final < 100_000
+        # the browser acknowledged the redraws it drew (the dashboard's back-pressure)
+        acked = pg.evaluate(EXECUTE_JS, "wb.dashboard._pacer.seen")
+        assert acked["error"] is None and int(acked["result"]) > 3, acked
     finally:
         pg.evaluate(EXECUTE_JS, "wb.step.ray_cluster.shutdown() if 'wb' in dir() and wb.step.ray_cluster else None")

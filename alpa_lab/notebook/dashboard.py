@@ -5,6 +5,13 @@ it against the run's own events, steps, memory and traffic); ``Dashboard(run)`` 
 redraws it from a background thread whenever the monitor changed (every ``interval`` seconds
 at most), so the kernel stays free. Everything drawn is plain HTML/SVG, so a saved notebook
 keeps a static copy of the last state (the display is updated with it when the run ends).
+
+A browser that draws slower than the dashboard sends (starved of CPU by the run it shows, or
+drawing a big plan's timeline) falls behind further with every redraw, until the Jupyter server
+drops its connection. So the browser acknowledges each redraw once drawn (``_Pacer``) and
+the dashboard sends the next only then: at most one redraw in flight. Acknowledgements reach
+the kernel on its shell thread, which is blocked while a cell runs; then, and when no browser
+answers for ``max_wait`` seconds (its tab closed), the dashboard falls back to its clock.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import anywidget
 import ipywidgets as W
 import numpy as np
+import traitlets
 
 from alpa_lab.cost.cluster import ClusterSpec, _fmt_bytes
 from alpa_lab.cost.profile import ProfileError, ProfileRow
@@ -228,13 +237,79 @@ def costs_html(rows: Sequence[ProfileRow]) -> str:
     return render._table(["span (medians)", "predicted", "measured", "measured / predicted", "n"], out)
 
 
+_PACER_ESM = """
+export default {
+  render({ model, el }) {
+    el.style.display = 'none';
+    // after the redraw's messages (they came before this one) are drawn: the next frame
+    const ack = () => requestAnimationFrame(() => {
+      if (model.get('seen') !== model.get('sent')) { model.set('seen', model.get('sent')); model.save_changes(); }
+    });
+    model.on('change:sent', ack);
+    ack();
+    return () => model.off('change:sent', ack);
+  }
+};
+"""
+
+
+class _Pacer(anywidget.AnyWidget):
+    """The browser's acknowledgement of the dashboard's redraws: ``seen`` follows ``sent`` once drawn."""
+
+    _esm = _PACER_ESM
+    sent = traitlets.Int(0).tag(sync=True)
+    seen = traitlets.Int(-1).tag(sync=True)
+    """-1 until a browser shows the dashboard"""
+
+
+_cell_running = False
+"""whether the kernel runs a cell now (IPython's execute events): the shell thread, which takes
+the browser's acknowledgements, is blocked meanwhile"""
+
+_watched_shell: Any = None
+"""the IPython shell whose execute events set ``_cell_running``"""
+
+
+def _watch_cells() -> None:
+    global _cell_running, _watched_shell
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return
+    ip = get_ipython()
+    if ip is None or ip is _watched_shell:
+        return
+
+    def started(*_: Any) -> None:
+        global _cell_running
+        _cell_running = True
+
+    def ended(*_: Any) -> None:
+        global _cell_running
+        _cell_running = False
+
+    ip.events.register("pre_execute", started)
+    ip.events.register("post_execute", ended)
+    _watched_shell = ip
+    # now: made by a cell, or by a widget's click (the Launch button), which runs no cell
+    parent = getattr(ip, "parent_header", None) or {}
+    _cell_running = parent.get("header", {}).get("msg_type", "execute_request") == "execute_request"
+
+
 class Dashboard(W.VBox):
     """A training run's live dashboard; follows the run from a background thread until it ends."""
 
-    def __init__(self, run: Any, *, interval: float = 0.4, follow: bool = True):
+    def __init__(self, run: Any, *, interval: float = 0.4, follow: bool = True, max_wait: float = 5.0):
         super().__init__()
         self.run = run
         self.interval = interval
+        self.max_wait = max_wait
+        """seconds to wait for the browser's acknowledgement of a redraw before sending the next anyway"""
+        self._pacer = _Pacer()
+        self._sent_at = 0.0
+        self.waits = 0
+        """redraws put off because the browser had not drawn the last one yet"""
+        _watch_cells()
         self.updates = 0
         self.update_times: deque[float] = deque(maxlen=10_000)
         """driver clock of each redraw"""
@@ -273,7 +348,7 @@ class Dashboard(W.VBox):
             self.timeline, self.predicted, self.charts,
             W.HTML("<b>measured against predicted, per stage and phase</b>"), self.costs,
             W.HTML("<b>memory per device</b>"), self.memory,
-            W.HTML("<b>bytes per link per step</b>"), self.links, self.note,
+            W.HTML("<b>bytes per link per step</b>"), self.links, self.note, self._pacer,
         ]
         self.update()
         self._thread = threading.Thread(target=self._follow, name="alpa_lab-dashboard", daemon=True)
@@ -284,7 +359,9 @@ class Dashboard(W.VBox):
     def _follow(self) -> None:
         while not self._closed.is_set():
             ended = not self.run.running and self.run.status != "starting"
-            if self.run.monitor.version != self._version:
+            if self.run.monitor.version != self._version and not ended and self._browser_behind():
+                self.waits += 1
+            elif self.run.monitor.version != self._version:
                 try:
                     self.update()
                 except Exception as err:  # noqa: BLE001 - a drawing bug must not end the following
@@ -297,6 +374,14 @@ class Dashboard(W.VBox):
                 self._handle.update(self._bundle(), raw=True)
             except Exception:  # noqa: BLE001 - no kernel display (a script): nothing to update
                 pass
+
+    def _browser_behind(self) -> bool:
+        """True while a browser shows this dashboard and has not drawn its last redraw (for
+        ``max_wait`` seconds at most; not while a cell runs: its acknowledgement waits behind it)."""
+        seen, sent = self._pacer.seen, self._pacer.sent
+        if seen < 0 or seen >= sent or _cell_running:
+            return False
+        return time.monotonic() - self._sent_at < self.max_wait
 
     def follow(self) -> None:
         """Start following the run (a no-op if already following)."""
@@ -343,6 +428,8 @@ class Dashboard(W.VBox):
         self.update_times.append(time.time())
         if self.on_update is not None:
             self.on_update(s)
+        self._sent_at = time.monotonic()
+        self._pacer.sent += 1  # last: the browser acknowledges it after drawing everything above
         self.busy_seconds += time.perf_counter() - t0
         return s
 

@@ -34,6 +34,9 @@ __all__ = ["Workbench"]
 TIMELINE_EVERY = 2.0
 """seconds between two redraws of the Timeline tab's figures while a run goes (the dashboard redraws faster)"""
 
+TIMELINE_TAB = 2
+"""the Timeline tab's index: its figures are redrawn live only while it is shown"""
+
 _RUNTIME_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
 
 
@@ -105,6 +108,8 @@ class Workbench(W.VBox):
         self.measured_steps: list[float] = []
         self.result: Any = None
         self._timeline_drawn = 0.0
+        self._timeline_stale = False
+        """measurements came in while the Timeline tab was hidden: drawn when it is shown"""
         self.refresh_seconds = 0.0
 
         self.title = W.HTML()
@@ -204,6 +209,7 @@ class Workbench(W.VBox):
         self._graph_widget: go.FigureWidget | None = None
         self.tabs.children = (*self.tabs.children, self.graph_box)
         self.tabs.set_title(len(self.tabs.children) - 1, "Graph")
+        self.tabs.observe(self._on_tab, "selected_index")
         self.children = [self.title, self.status, self.run_status, self.tabs, FitToWidth()]
         self.add_class(WORKBENCH_CLASS)  # FitToWidth's style: whole tab titles, explanations that scroll
         self.refresh()
@@ -265,6 +271,7 @@ class Workbench(W.VBox):
         return (views.timeline_bars(self.plan) if self.pipelined else ()) + self.measured
 
     def _draw_timeline(self) -> None:
+        self._timeline_stale = False
         bars = self.timeline_bars()
         if not bars:
             _swap(self.timeline_box, [W.HTML("single-mesh plan: no pipeline timeline (plan with microbatches=)")])
@@ -605,6 +612,17 @@ class Workbench(W.VBox):
             now = time.monotonic()
             if not run.running or now - self._timeline_drawn > TIMELINE_EVERY:  # plotly figures cost: not on every redraw
                 self._timeline_drawn = now
+                # a hidden tab's figures are not redrawn live: each new figure costs the browser a
+                # plotly render, and a browser that falls behind the run loses its kernel connection
+                if not run.running or self.tabs.selected_index == TIMELINE_TAB:
+                    self._draw_timeline()
+                else:
+                    self.measured_html.value = self.overview_measured.value = self._measured_table()
+                    self._timeline_stale = True
+
+    def _on_tab(self, change: dict) -> None:
+        if change["new"] == TIMELINE_TAB and self._timeline_stale:
+            with self._lock:
                 self._draw_timeline()
 
     def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> Any:
