@@ -10,8 +10,9 @@ A browser that draws slower than the dashboard sends (starved of CPU by the run 
 drawing a big plan's timeline) falls behind further with every redraw, until the Jupyter server
 drops its connection. So the browser acknowledges each redraw once drawn (``_Pacer``) and
 the dashboard sends the next only then: at most one redraw in flight. Acknowledgements reach
-the kernel on its shell thread, which is blocked while a cell runs; then, and when no browser
-answers for ``max_wait`` seconds (its tab closed), the dashboard falls back to its clock.
+the kernel on its shell thread, which is blocked while a cell runs: then the dashboard redraws
+on its clock. A browser that does not answer for ``max_wait`` seconds (its tab closed or in the
+background, or the shell busy with a button's work) gets one redraw per ``max_wait``.
 """
 
 from __future__ import annotations
@@ -291,9 +292,10 @@ def _watch_cells() -> None:
     ip.events.register("pre_execute", started)
     ip.events.register("post_execute", ended)
     _watched_shell = ip
-    # now: made by a cell, or by a widget's click (the Launch button), which runs no cell
+    # now: made by a cell, or by a widget's click (the Launch button), which runs no cell; a shell
+    # with no kernel (terminal IPython, tests) has no browser to wait for either way
     parent = getattr(ip, "parent_header", None) or {}
-    _cell_running = parent.get("header", {}).get("msg_type", "execute_request") == "execute_request"
+    _cell_running = parent.get("header", {}).get("msg_type") == "execute_request"
 
 
 class Dashboard(W.VBox):

@@ -610,19 +610,21 @@ class Workbench(W.VBox):
                 else:  # one bar per step, from the first step kept in the window
                     self.measured = views.event_bars(snap.events)
             now = time.monotonic()
-            if not run.running or now - self._timeline_drawn > TIMELINE_EVERY:  # plotly figures cost: not on every redraw
+            # the status, not the run's thread: the last redraw can come before the thread has ended
+            ended = snap.status in ("finished", "stopped", "failed")
+            if ended or now - self._timeline_drawn > TIMELINE_EVERY:  # plotly figures cost: not on every redraw
                 self._timeline_drawn = now
                 # a hidden tab's figures are not redrawn live: each new figure costs the browser a
                 # plotly render, and a browser that falls behind the run loses its kernel connection
-                if not run.running or self.tabs.selected_index == TIMELINE_TAB:
+                if ended or self.tabs.selected_index == TIMELINE_TAB:
                     self._draw_timeline()
                 else:
-                    self.measured_html.value = self.overview_measured.value = self._measured_table()
                     self._timeline_stale = True
+                    self.measured_html.value = self.overview_measured.value = self._measured_table()
 
     def _on_tab(self, change: dict) -> None:
-        if change["new"] == TIMELINE_TAB and self._timeline_stale:
-            with self._lock:
+        with self._lock:
+            if change["new"] == TIMELINE_TAB and self._timeline_stale:
                 self._draw_timeline()
 
     def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> Any:
