@@ -361,13 +361,14 @@ class Dashboard(W.VBox):
     def _follow(self) -> None:
         while not self._closed.is_set():
             ended = not self.run.running and self.run.status != "starting"
-            if self.run.monitor.version != self._version and not ended and self._browser_behind():
-                self.waits += 1
-            elif self.run.monitor.version != self._version:
-                try:
-                    self.update()
-                except Exception as err:  # noqa: BLE001 - a drawing bug must not end the following
-                    self.note.value = f'<span style="color:#c00">dashboard: {html.escape(repr(err))}</span>'
+            if self.run.monitor.version != self._version:
+                if not ended and self._browser_behind():  # the run's end is drawn regardless
+                    self.waits += 1
+                else:
+                    try:
+                        self.update()
+                    except Exception as err:  # noqa: BLE001 - a drawing bug must not end the following
+                        self.note.value = f'<span style="color:#c00">dashboard: {html.escape(repr(err))}</span>'
             if ended:
                 break
             self._closed.wait(self.interval)

@@ -34,9 +34,6 @@ __all__ = ["Workbench"]
 TIMELINE_EVERY = 2.0
 """seconds between two redraws of the Timeline tab's figures while a run goes (the dashboard redraws faster)"""
 
-TIMELINE_TAB = 2
-"""the Timeline tab's index: its figures are redrawn live only while it is shown"""
-
 _RUNTIME_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
 
 
@@ -185,14 +182,15 @@ class Workbench(W.VBox):
         self.save_button = W.Button(description="Save plan", icon="save")
         self.save_button.on_click(lambda _: self.save(self.save_path.value))
 
+        timeline_tab = W.VBox([
+            W.HBox([self.schedule_select, self.trace_path, self.export_button]),
+            W.HBox([self.launch_steps, self.launch_button, self.stop_button, self.backend_html]),
+            self.timeline_box, self.measured_html,
+        ])
         self.tabs = W.Tab(children=[
             self.overview_box,
             W.VBox([self.tensor_select, self.heatmap_box]),
-            W.VBox([
-                W.HBox([self.schedule_select, self.trace_path, self.export_button]),
-                W.HBox([self.launch_steps, self.launch_button, self.stop_button, self.backend_html]),
-                self.timeline_box, self.measured_html,
-            ]),
+            timeline_tab,
             W.VBox([self.traffic_box, self.traffic_cell, self.traffic_tasks]),
             W.VBox([
                 self.op_filter, self.op_select, self.explain_html, W.HBox([self.strategy_select, self.pin_button, self.unpin_button]),
@@ -209,6 +207,8 @@ class Workbench(W.VBox):
         self._graph_widget: go.FigureWidget | None = None
         self.tabs.children = (*self.tabs.children, self.graph_box)
         self.tabs.set_title(len(self.tabs.children) - 1, "Graph")
+        self._timeline_index = self.tabs.children.index(timeline_tab)
+        """its figures are redrawn live only while it is shown"""
         self.tabs.observe(self._on_tab, "selected_index")
         self.children = [self.title, self.status, self.run_status, self.tabs, FitToWidth()]
         self.add_class(WORKBENCH_CLASS)  # FitToWidth's style: whole tab titles, explanations that scroll
@@ -282,6 +282,9 @@ class Workbench(W.VBox):
                 for source in ("predicted", "measured")
                 if (part := [b for b in bars if b.source == source])
             ])
+        self._show_measured_table()
+
+    def _show_measured_table(self) -> None:
         self.measured_html.value = self.overview_measured.value = self._measured_table()
 
     def _measured_table(self) -> str:
@@ -616,15 +619,15 @@ class Workbench(W.VBox):
                 self._timeline_drawn = now
                 # a hidden tab's figures are not redrawn live: each new figure costs the browser a
                 # plotly render, and a browser that falls behind the run loses its kernel connection
-                if ended or self.tabs.selected_index == TIMELINE_TAB:
+                if ended or self.tabs.selected_index == self._timeline_index:
                     self._draw_timeline()
                 else:
                     self._timeline_stale = True
-                    self.measured_html.value = self.overview_measured.value = self._measured_table()
+                    self._show_measured_table()
 
     def _on_tab(self, change: dict) -> None:
         with self._lock:
-            if change["new"] == TIMELINE_TAB and self._timeline_stale:
+            if change["new"] == self._timeline_index and self._timeline_stale:
                 self._draw_timeline()
 
     def run(self, *args: Any, steps: int = 3, block: bool = False, update: Callable[[Any], tuple] | None = None) -> Any:
