@@ -23,7 +23,7 @@ import pytest
 import alpa_lab as al
 from alpa_lab.cost.profile import CostParts, Profile, ProfileError, ProfileRow
 from alpa_lab.models import tiny_example
-from alpa_lab.notebook import views
+from alpa_lab.notebook import render, views
 from alpa_lab.notebook.dashboard import Dashboard, dashboard_state
 from alpa_lab.notebook.workbench import Workbench
 from alpa_lab.passes.schedule import make_schedule
@@ -176,10 +176,15 @@ def test_a_mapping_is_one_batch():
     assert batch_stream((batch, 3), 2)(1) == (batch, 3)  # a tuple: the step's arguments after the state
 
 
+def _drawn(widget) -> list[tuple]:
+    """What a timeline figure widget shows: per trace, its phase and its bars (lanes, lengths, starts)."""
+    return [(t.name, tuple(t.y), tuple(t.x), tuple(t.base)) for t in widget.data]
+
+
 def test_the_timeline_tab_is_redrawn_live_only_while_shown(mlp):
-    """The Timeline tab's figures are new plotly widgets on each redraw, a heavy render for the
-    browser: while the run goes they are redrawn only while that tab is shown (the measured table
-    still follows), when the tab is shown, and when the run ends."""
+    """The Timeline tab's figures are a plotly render for the browser on each redraw: while the run
+    goes they are redrawn only while that tab is shown (the measured table still follows), when the
+    tab is shown, and when the run ends. Oracle: a figure made afresh from the bars at that moment."""
     ex, step, plan = mlp
     wb = Workbench(plan, step)
     wb.tabs.selected_index = 0  # the Overview
@@ -187,6 +192,9 @@ def test_the_timeline_tab_is_redrawn_live_only_while_shown(mlp):
     def batches(i: int):
         time.sleep(0.01)
         return ex.batch
+
+    def measured_figure() -> list[tuple]:
+        return _drawn(render.timeline_figure([b for b in wb.timeline_bars() if b.source == "measured"]))
 
     before = wb.timeline_box.children
     run = wb.launch(ex.state, batches, steps=100_000)
@@ -198,14 +206,17 @@ def test_the_timeline_tab_is_redrawn_live_only_while_shown(mlp):
             time.sleep(0.05)
         assert wb.timeline_box.children == before
         wb.tabs.selected_index = 2  # shown: drawn now, with the run's measurements
-        assert wb.timeline_box.children != before and not wb._timeline_stale
-        assert any(b.source == "measured" for b in wb.timeline_bars())
+        assert wb.timeline_box.children[0] is before[0] and not wb._timeline_stale  # the same prediction: kept
+        predicted, measured = wb.timeline_box.children
+        shown = _drawn(measured)
+        assert shown == measured_figure() and shown
         wb.tabs.selected_index = 0
-        shown = wb.timeline_box.children
     finally:
         run.stop()
         wb.wait(120)
-    assert run.status == "stopped" and wb.timeline_box.children != shown  # the end is drawn, shown or not
+    # the end is drawn, shown or not: in place, into the figure the browser already has
+    assert run.status == "stopped" and wb.timeline_box.children == (predicted, measured)
+    assert _drawn(measured) == measured_figure() != shown
 
 
 def test_a_run_keeps_the_plan_it_was_launched_with(mlp):

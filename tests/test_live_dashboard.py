@@ -115,3 +115,63 @@ def test_dashboard_updates_live_the_kernel_stays_free_and_stop_stops(page, lab):
         assert int(later["result"]) == final and 3 <= final < 100_000
     finally:
         pg.evaluate(EXECUTE_JS, "wb.step.ray_cluster.shutdown() if 'wb' in dir() and wb.step.ray_cluster else None")
+
+
+TIMELINE_CELL = (
+    "import dataclasses\nimport alpa_lab as al\nfrom alpa_lab.models import tiny_example\n"
+    "from alpa_lab.notebook import views\nfrom alpa_lab.notebook.workbench import Workbench\n"
+    "ex = tiny_example('mlp')\nstep = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=4, layers=4)\n"
+    "wb = Workbench(step.plan(ex.state, ex.batch), step)\n"
+    "wb.measured = tuple(dataclasses.replace(b, source='measured') for b in views.timeline_bars(wb.plan))\n"
+    "wb._draw_timeline()\nwb.tabs.selected_index = wb._timeline_index\nwb"
+)
+
+MEASURED_PLOT_JS = """() => {
+    const plots = [...document.querySelectorAll('.js-plotly-plot')].filter(
+        gd => gd.layout && gd.layout.title && String(gd.layout.title.text || '').startsWith('measured'));
+    return plots.map(gd => ({marked: gd.__marked === true, height: gd.layout.height,
+                             x: gd.data.map(t => Array.from(t.x || []))}));
+}"""
+
+
+def test_a_timeline_figure_updated_in_place_shows_the_new_bars(page, lab):
+    """New measurements go into the Timeline's measured figure in place (``Workbench._timeline_figure``):
+    the browser's plot, the same element, then shows the kernel's new bars (plotly's widget applies the
+    update: checked here in a real JupyterLab, as no Python test can)."""
+    pg = page
+    nb = _notebook()
+    nb["cells"] = nb["cells"][:1] + [dict(nb["cells"][0], source=TIMELINE_CELL)]
+    (lab.root / "timeline.ipynb").write_text(json.dumps(nb))
+    pg.evaluate("() => window.jupyterapp.commands.execute('docmanager:open', {path: 'timeline.ipynb'}).then(() => true)")
+    _wait_for_notebook(pg, "timeline.ipynb")
+    pg.wait_for_function(
+        "() => { const p = window.jupyterapp.shell.currentWidget; const k = p.sessionContext.session "
+        "&& p.sessionContext.session.kernel; return k && k.status === 'idle'; }"
+    )
+    pg.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    try:
+        pg.wait_for_function(f"() => ({MEASURED_PLOT_JS})().length === 1", timeout=RUN_TIMEOUT_MS)
+    except Exception as exc:  # a timeout: say what the cells showed
+        pytest.fail(f"no measured timeline within {RUN_TIMEOUT_MS / 1000:.0f} s ({exc}):\n{_describe(_cells(pg))}\n{lab.log_tail()}")
+    pg.evaluate("""() => { document.querySelectorAll('.js-plotly-plot').forEach(gd => {
+        if (gd.layout && String((gd.layout.title || {}).text || '').startsWith('measured')) gd.__marked = true; }); }""")
+    before = pg.evaluate(MEASURED_PLOT_JS)[0]
+    sent = pg.evaluate(EXECUTE_JS, (
+        "figure = wb.timeline_box.children[1]\n"
+        "wb.measured = tuple(dataclasses.replace(b, start=3 * b.start, end=3 * b.end) for b in wb.measured if b.microbatch != 0)\n"
+        "wb._draw_timeline()\n"
+        "assert wb.timeline_box.children[1] is figure\n"
+        "json.dumps([list(t.x) for t in figure.data]) if (json := __import__('json')) else None"
+    ))
+    assert sent["error"] is None, sent
+    expected = json.loads(sent["result"].strip("'"))
+    assert expected != before["x"]
+    pg.wait_for_function(
+        f"""(want) => {{ const p = ({MEASURED_PLOT_JS})(); return p.length === 1 && p[0].marked
+            && JSON.stringify(p[0].x.map(a => a.length)) === JSON.stringify(want.map(a => a.length)); }}""",
+        arg=expected, timeout=30_000,
+    )
+    after = pg.evaluate(MEASURED_PLOT_JS)
+    assert len(after) == 1 and after[0]["marked"]  # the same plot element: updated, not replaced
+    for got, want in zip(after[0]["x"], expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-9)

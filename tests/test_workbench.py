@@ -7,6 +7,7 @@ own ``pin``/``with_schedule``/``pin_stages`` for edits made through the widget's
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import threading
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 import alpa_lab as al
 from alpa_lab.cost.profile import Profile
 from alpa_lab.models import tiny_example
-from alpa_lab.notebook import views
+from alpa_lab.notebook import render, views
 from alpa_lab.notebook.workbench import Workbench
 from alpa_lab.passes.schedule import make_schedule
 from alpa_lab.passes.transfers import pipeline_transfers
@@ -425,9 +426,40 @@ def test_redraws_close_the_figure_widgets_they_replace(gpt):
         wb._draw_graph()
         wb.refresh()
     assert len(widget_registry._instances) == live
-    assert graph.comm is None and timeline.comm is None  # closed: gone from the kernel
+    assert graph.comm is None  # closed: gone from the kernel
+    assert wb.timeline_box.children == (timeline,) and timeline.comm is not None  # the same timeline: kept as it is
     assert wb._graph_widget.comm is not None and all(w.comm is not None for w in wb.timeline_box.children)
     assert wb.overview_measured in wb.overview_box.children and wb.overview_measured.comm is not None
+
+
+def _drawn(widget) -> list[tuple]:
+    return [(t.name, tuple(t.y), tuple(t.x), tuple(t.base), tuple(t.text)) for t in widget.data]
+
+
+def test_new_measurements_update_the_timeline_figure_in_place(gpt):
+    """A run's new measurements go into the measured figure the browser already has (no new widget);
+    the figure then shows what a figure made afresh from the same bars shows. Bars of other phases
+    than the figure has need a new figure, and the old one is closed."""
+    _, step, plan = gpt
+    wb = Workbench(plan, step)
+    predicted = views.timeline_bars(plan)
+    wb.measured = tuple(dataclasses.replace(b, source="measured") for b in predicted)
+    wb._draw_timeline()
+    first, figure = wb.timeline_box.children
+    live = len(widget_registry._instances)
+    for k in (2.0, 3.0):  # a later step: other times, one microbatch fewer
+        wb.measured = tuple(dataclasses.replace(b, source="measured", start=b.start * k, end=b.end * k)
+                            for b in predicted if b.microbatch != 0)
+        wb._draw_timeline()
+        assert wb.timeline_box.children == (first, figure) and len(widget_registry._instances) == live
+        fresh = render.timeline_figure(list(wb.measured), "")
+        assert _drawn(figure) == _drawn(fresh) and figure.layout.height == fresh.layout.height
+    wb.measured = tuple(b for b in wb.measured if b.kind == "RUN" and b.phase == "forward")  # fewer traces
+    wb._draw_timeline()
+    first_now, figure_now = wb.timeline_box.children
+    assert first_now is first and figure_now is not figure and figure.comm is None
+    assert _drawn(figure_now) == _drawn(render.timeline_figure(list(wb.measured), ""))
+    assert len(widget_registry._instances) == live
 
 
 class _MeasuredRun:

@@ -41,6 +41,22 @@ def _figure(fig: go.Figure) -> W.Widget:
     return figure_widget(fig)  # at its tab's width (FitToWidth below the tabs)
 
 
+def _update_in_place(widget: go.FigureWidget, fig: go.Figure) -> bool:
+    """Make ``widget`` show ``fig`` by updating its traces and layout, where its traces are ``fig``'s
+    (same kinds and names, in order); False, changing nothing, where they are not."""
+    if [(t.type, t.name) for t in widget.data] != [(t.type, t.name) for t in fig.data]:
+        return False
+    with widget.batch_update():  # one message to the browser
+        for old, new in zip(widget.data, fig.data):
+            props = new.to_plotly_json()
+            props.pop("type", None)
+            old.update(props, overwrite=True)
+        layout = fig.layout.to_plotly_json()
+        layout.pop("template", None)  # the same default template: not sent again
+        widget.layout.update(layout, overwrite=True)
+    return True
+
+
 def _swap(box: W.Box, children: Sequence[W.Widget]) -> None:
     """Put ``children`` in ``box`` and close the widgets they replace: a figure widget left open
     stays registered in the kernel (its comm and its data) as long as the kernel lives."""
@@ -107,6 +123,8 @@ class Workbench(W.VBox):
         self._timeline_drawn = 0.0
         self._timeline_stale = False
         """measurements came in while the Timeline tab was hidden: drawn when it is shown"""
+        self._timeline_figures: dict[str, tuple[tuple, W.Widget]] = {}
+        """"predicted"/"measured" -> (what its figure shows, the figure widget showing it)"""
         self.refresh_seconds = 0.0
 
         self.title = W.HTML()
@@ -278,11 +296,33 @@ class Workbench(W.VBox):
         else:  # predicted and measured apart: each on its own time scale
             schedule = f"{self.plan.schedule}, {self.plan.num_microbatches} micro-batches" if self.pipelined else ""
             _swap(self.timeline_box, [
-                _figure(render.timeline_figure(part, f"{source}: {schedule}"))
+                self._timeline_figure(source, part, f"{source}: {schedule}")
                 for source in ("predicted", "measured")
-                if (part := [b for b in bars if b.source == source])
+                if (part := tuple(b for b in bars if b.source == source))
             ])
         self._show_measured_table()
+
+    def _timeline_figure(self, source: str, bars: tuple[views.Bar, ...], title: str) -> W.Widget:
+        """The figure of ``source``'s bars: the one shown, kept as it is or updated in place where it
+        can be (a live run's measured bars every few seconds), a new widget only where it cannot.
+
+        A new figure widget is a new view for the browser (its comm, its model, a full plotly render);
+        an update in place sends the changed data and plotly redraws the same plot.
+        """
+        shown = self._timeline_figures.get(source)
+        if shown is not None and shown[1] in self.timeline_box.children:
+            key, widget = shown
+            if key == (bars, title):
+                return widget
+            fig = render.timeline_figure(bars, title)
+            if _update_in_place(widget, fig):
+                self._timeline_figures[source] = ((bars, title), widget)
+                return widget
+        else:
+            fig = render.timeline_figure(bars, title)
+        widget = _figure(fig)
+        self._timeline_figures[source] = ((bars, title), widget)
+        return widget
 
     def _show_measured_table(self) -> None:
         self.measured_html.value = self.overview_measured.value = self._measured_table()
