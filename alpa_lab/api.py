@@ -19,7 +19,7 @@ from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
-from alpa_lab.graph.trace import TraceError, _path_str, args_signature, trace
+from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
@@ -158,14 +158,14 @@ class ParallelizedStep:
         A pipelined step is traced on one micro-batch, cut into layers (``auto_layers``).
         """
         key = args_signature(args)
-        self._last_args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+        self._last_args = jax.tree_util.tree_map(leaf_aval, args)
         if key not in self._graphs:
             if self.pipelined:
                 self._graphs[key], self._splits[key] = trace_microbatched(
                     self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat
                 )
             else:
-                self._graphs[key] = trace(self.fn, *args)
+                self._graphs[key] = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
         return self._graphs[key]
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
@@ -453,7 +453,7 @@ def trace_microbatched(
     guess = _guess_split(args, num_microbatches)
     if guess is not None:
         micro = [
-            jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]) if s else tuple(np.shape(x)), x.dtype)
+            leaf_aval(x, (x.shape[0] // num_microbatches, *x.shape[1:]) if s else None)
             for (_, x), s in zip(flat, guess)
         ]
         try:
@@ -527,7 +527,7 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
             f"choose a divisor of {batch}"
         )
     micro = [
-        jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]) if s else tuple(x.shape), x.dtype)
+        leaf_aval(x, (x.shape[0] // num_microbatches, *x.shape[1:]) if s else None)
         for (_, x), s in zip(flat, split)
     ]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro), split

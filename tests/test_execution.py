@@ -73,3 +73,51 @@ def test_automatic_mesh_shape_is_the_cheapest_candidate():
     assert plan.objective == min(t for _, t in plan.mesh_candidates)
     new_state, loss = step(*ex.args)
     assert np.isfinite(float(loss))
+
+
+def _flax_train_state():
+    """What a new user writes: a linen MLP, flax's own ``TrainState`` (its ``step`` is the Python int 0),
+    and a NumPy float64 batch (JAX makes it float32), with a step taking gradients with ``al.value_and_grad``."""
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = nn.relu(nn.Dense(64)(x))
+            return nn.Dense(10)(x)
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(32, 16)), "y": rng.integers(0, 10, size=(32,))}
+    model = MLP()
+    params = model.init(jax.random.PRNGKey(0), np.zeros((1, 16), np.float32))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn(params, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = al.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return state, batch, train_step
+
+
+@pytest.mark.parametrize("microbatches", [None, 4], ids=["single_mesh", "pipelined"])
+def test_a_flax_train_state_with_python_scalars_runs_and_matches(microbatches):
+    """Python scalars in the state (``step=0``) and float64 NumPy data are typed as ``jax.jit`` types them."""
+    state, batch, train_step = _flax_train_state()
+    assert type(state.step) is int and batch["x"].dtype == np.float64
+    step = al.parallelize(train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=microbatches, layers=2)
+    ref = jax.jit(train_step)
+    ref_state = state
+    for _ in range(2):  # the second step's state has an array step: traced again, runs the same
+        state, loss = step(state, batch)
+        ref_state, ref_loss = ref(ref_state, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert int(state.step) == 2
+    assert_trees_close(state.params, ref_state.params)
+    assert_trees_close(state.opt_state, ref_state.opt_state)

@@ -301,11 +301,20 @@ def op_flops(prim: str, params: dict, ins: list[Var], outs: list[Var]) -> float:
     return float(out_elems)
 
 
+def leaf_aval(x: Any, shape: Sequence[int] | None = None) -> jax.ShapeDtypeStruct:
+    """An argument leaf's shape and dtype as ``jax.jit`` sees them (``shape`` in place of its own):
+    an array's dtype, canonical (float64 -> float32 unless x64 is on), and a Python scalar's
+    (a flax ``TrainState``'s ``step=0``, a learning rate) as JAX types it, int32/float32/bool."""
+    dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+    shape = tuple(np.shape(x)) if shape is None else tuple(shape)
+    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True))
+
+
 def args_signature(args: Any) -> Any:
     """The arguments' tree structure and each leaf's shape and dtype: what a trace depends on, so a
     cache key for traced programs (``ParallelizedStep``, ``Plan.jit``, a training run's program)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+    return tree, tuple((tuple(np.shape(x)), str(leaf_aval(x).dtype)) for x in leaves)
 
 
 def param_signature(params: dict) -> str:

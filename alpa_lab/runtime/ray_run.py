@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alpa_lab.graph.trace import leaf_aval
 from alpa_lab.runtime.mesh_worker import EVENTS_KEPT, INLINE_BYTES, Event, MeshWorker
 from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
@@ -479,8 +480,7 @@ def launch(
             out_tree=graph.out_tree,
             state_tree=state_tree,
             num_state=num_state,
-            arg_avals=tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
-                            for x in jax.tree_util.tree_leaves(args)),
+            arg_avals=tuple(leaf_aval(x) for x in jax.tree_util.tree_leaves(args)),
             host_leaves=host_leaves,
             keep_state_every=keep_state_every,
             step_timeout=step_timeout,
