@@ -35,6 +35,8 @@ timed on this process's devices (``runtime.stage_profile``, Alpa's profiling mod
 
 DEFAULT_LAYERS = 8
 """Layers the automatic layering cuts a step into when pipelining (``layers=`` overrides)."""
+OWN_PLANS_KEPT = 8
+"""plans a step keeps for the argument shapes it was called with (as jax.jit keeps its traces)"""
 
 
 @quiet_gc()
@@ -144,6 +146,10 @@ class ParallelizedStep:
         self._splits: dict[Any, tuple[bool, ...]] = {}
         self._compiled: CompiledPlan | CompiledPipeline | None = None
         self._problems: dict[Any, Any] = {}
+        self._own_plans: dict[str, Plan | PipelinePlan] = {}
+        """program fingerprint -> the plan ``plan()`` made for it, unedited: a call with other shapes
+        plans those (or takes their plan from here), as ``jax.jit`` traces again; an edited, pinned or
+        loaded plan is the user's, and other shapes are an error for it"""
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -226,18 +232,21 @@ class ParallelizedStep:
             graph = self.trace(*args)
             progress(f"traced {len(graph.ops)} ops ({time.perf_counter() - t0:.1f}s)")
         if self.pipelined:
-            self.current_plan = self._plan_pipeline(args, pins, progress)
-            return self.current_plan
-        graph = self.trace(*args)
-        plan = plan_graph(
-            graph,
-            self.cluster,
-            mesh_shape=self.mesh_shape,
-            method=self.method,
-            memory_budget=self.memory_budget,
-            pins=pins,
-            progress=progress,
-        )
+            plan = self._plan_pipeline(args, pins, progress)
+        else:
+            plan = plan_graph(
+                self.trace(*args),
+                self.cluster,
+                mesh_shape=self.mesh_shape,
+                method=self.method,
+                memory_budget=self.memory_budget,
+                pins=pins,
+                progress=progress,
+            )
+        if not pins:
+            if len(self._own_plans) >= OWN_PLANS_KEPT:
+                self._own_plans.pop(next(iter(self._own_plans)))
+            self._own_plans[plan.fingerprint] = plan
         self.current_plan = plan
         return plan
 
@@ -305,6 +314,9 @@ class ParallelizedStep:
         graph = self.trace(*args)
         if self.current_plan is None:
             self.plan(*args)
+        elif graph.fingerprint != self.current_plan.fingerprint and self._own_plans.get(self.current_plan.fingerprint) is self.current_plan:
+            # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too
+            self.current_plan = self._own_plans.get(graph.fingerprint) or self.plan(*args)
         plan = self._require_plan()
         if isinstance(plan, PipelinePlan):
             if plan.problem is None:  # loaded and made current without arguments: attach it now

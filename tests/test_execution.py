@@ -121,3 +121,21 @@ def test_a_flax_train_state_with_python_scalars_runs_and_matches(microbatches):
     assert int(state.step) == 2
     assert_trees_close(state.params, ref_state.params)
     assert_trees_close(state.opt_state, ref_state.opt_state)
+
+
+def test_a_pipelined_step_returns_jax_arrays_as_jit_does():
+    """Every result is a ``jax.Array``, a constant one (a fixed metric) and a passed-through argument too."""
+    import jax.numpy as jnp
+
+    state, batch, train_step = _flax_train_state()
+
+    def step_with_metrics(state, batch, lr):
+        new, loss = train_step(state, batch)
+        return new, {"loss": loss, "fixed": jnp.float32(0.5), "lr": lr}
+
+    step = al.parallelize(step_with_metrics, cluster=al.ClusterSpec.local(2, 2), microbatches=4, layers=2)
+    _, metrics = step(state, batch, np.float32(0.1))
+    _, ref = jax.jit(step_with_metrics)(state, batch, np.float32(0.1))
+    for key in ("loss", "fixed", "lr"):
+        assert isinstance(metrics[key], jax.Array), (key, type(metrics[key]))
+        np.testing.assert_allclose(np.asarray(metrics[key]), np.asarray(ref[key]), rtol=RTOL, atol=ATOL)

@@ -4,6 +4,7 @@ Each error path checks two things: the message says what was wrong and what to d
 nothing is lost (the plan that worked is still current and still runs).
 """
 
+import dataclasses
 import json
 
 import jax
@@ -244,13 +245,27 @@ def test_untraceable_function_is_clear():
     assert step.current_plan is None
 
 
-def test_calling_with_other_shapes_is_refused_and_keeps_plan(step_and_plan, example):
+def test_calling_with_other_shapes_plans_them_unless_the_plan_is_the_users(step_and_plan, example):
+    """As ``jax.jit`` traces again: a plan the step made itself (``step.plan``, a first call) is re-made for
+    other shapes (the last, smaller batch of an epoch), kept per shapes; a plan the user edited, pinned or
+    loaded belongs to its program, so other shapes are refused and it stays current."""
     step, plan = step_and_plan
     step(*example.args)
+    small = make_mlp(dataclasses.replace(CFG, batch=CFG.batch // 2))  # the same model, a smaller batch
+    state, loss = step(small.state, small.batch)
+    ref_state, ref_loss = jax.jit(small.train_step)(small.state, small.batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-4, atol=2e-5)
+    smaller = step.current_plan
+    assert smaller is not plan and smaller.fingerprint == step.trace(small.state, small.batch).fingerprint
+    step(*example.args)  # back to the first shapes: their plan again, not planned anew
+    assert step.current_plan is plan
+    step(small.state, small.batch)
+    assert step.current_plan is smaller
+    edited = step.use(plan.pin(first_dot(plan).name, other_strategy(plan, first_dot(plan).name)))
     other = make_mlp(MLPConfig(batch=32, in_dim=32, hidden=64, layers=2, out_dim=16))
     with pytest.raises(al.PlanFormatError, match="belongs to another program"):
         step(*other.args)
-    assert step.current_plan is plan
+    assert step.current_plan is edited
     state, loss = step(*example.args)
     assert np.isfinite(float(loss))
 

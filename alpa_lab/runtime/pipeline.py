@@ -321,14 +321,14 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         for v, x in zip(task.outvars, outs):
             step_values[v] = x
     out = []
-    for v in graph.outvars:
+    for v in graph.outvars:  # JAX arrays, as jax.jit returns (a constant result too, a passed-through argument)
         var = graph.vars[v]
         if var.kind == "input":
-            out.append(args[v])
+            out.append(jax.numpy.asarray(args[v]))
         elif var.kind == "const":
-            out.append(graph.consts[v])
+            out.append(jax.numpy.asarray(graph.consts[v]))
         elif var.kind == "literal":
-            out.append(graph.literals[v])
+            out.append(jax.numpy.asarray(graph.literals[v]))
         else:
             out.append(step_values[v])
     per_task: dict[tuple[int, str], float] = defaultdict(float)  # (stage, phase) -> seconds, from the records
