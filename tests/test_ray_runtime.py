@@ -159,6 +159,35 @@ def test_ray_equals_the_in_process_runtime_on_the_same_plan(cluster):
         assert_close(run.state(), state, "state")
 
 
+def test_typed_prng_keys_in_the_state_and_the_batch_go_to_the_workers_and_back(cluster):
+    """A step with dropout whose state carries a typed key (``jax.random.key``, split every step) and whose
+    batch carries another: the keys travel as their key data and are typed keys again on the workers and back
+    on the driver. Oracle: the in-process runtime on the same plan, bit for bit on the keys."""
+    from test_execution import _flax_step
+
+    state, batch, train_step, _ = _flax_step(np.float32, dropout=0.3)
+    keyed = {"train": state, "rng": jax.random.key(7)}
+
+    def step_fn(keyed, batch, key):
+        rng, sub = jax.random.split(keyed["rng"])
+        new, loss = train_step(keyed["train"], batch, jax.random.fold_in(sub, jax.random.key_data(key)[-1]))
+        return {"train": new, "rng": rng}, loss
+
+    step = al.parallelize(step_fn, cluster=al.ClusterSpec.local(HOSTS, PER_HOST), microbatches=4, layers=2)
+    step.plan(keyed, batch, jax.random.key(1))
+    with step.launch(cluster, keyed) as run:
+        ref = keyed
+        for k in range(2):
+            key = jax.random.key(100 + k)
+            loss = run.step(batch, key)
+            ref, ref_loss = step(ref, batch, key)
+            assert_close(loss, ref_loss, f"step {k} loss")
+        got = run.state()
+    assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(ref["rng"]))
+    assert_close(got["train"].params, ref["train"].params, "params")
+
+
 def test_single_mesh_plan_on_one_worker(cluster):
     ex = tiny_example("mlp")
     step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, PER_HOST), mesh_shape=(2, 2))

@@ -44,7 +44,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from alpa_lab.graph.evaluate import bind_op, evaluate, last_uses
-from alpa_lab.graph.opgraph import Op
+from alpa_lab.graph.opgraph import Op, is_inexact
 
 __all__ = [
     "KINDS", "LOSS", "BoundaryFound", "auto_layers", "cutting_boundaries", "grad", "is_cut", "mark_stage_boundary", "pipeline_marker_p",
@@ -180,7 +180,7 @@ def _mark_gradients(grads: Any) -> Any:
     def one(g: Any) -> Any:
         if getattr(g, "dtype", None) == jax.dtypes.float0 or not hasattr(g, "dtype"):
             return g
-        if not np.issubdtype(np.dtype(g.dtype), np.inexact):
+        if not jax.dtypes.issubdtype(g.dtype, np.inexact):  # a key (extended dtype) too
             return g
         return pipeline_marker_p.bind(g, kind="gradient", name="grad")[0]
 
@@ -282,7 +282,7 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
         if op.index in cuts:
             live[:] = [v for v in live if last_use.get(v, -1) >= op.index]
             for v in live:  # one marker per tensor: each keeps its own sharding
-                if np.issubdtype(np.dtype(graph.vars[v].dtype), np.inexact):
+                if is_inexact(graph.vars[v].dtype):
                     env[v] = mark([env[v]], "boundary", f"layer{cuts[op.index]}")[0]
 
     def ran(op: Op) -> None:
@@ -636,7 +636,7 @@ def _inlined_body(eqn: Any) -> Any:
 
 def _inexact(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and dtype != jax.dtypes.float0 and np.issubdtype(np.dtype(dtype), np.inexact)
+    return dtype is not None and dtype != jax.dtypes.float0 and jax.dtypes.issubdtype(dtype, np.inexact)
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:

@@ -16,9 +16,44 @@ from typing import Any
 import numpy as np
 
 
+EXTENDED_DTYPES: dict[str, Any] = {}
+"""name -> JAX's extended dtype of that name (``key<fry>``: a typed PRNG key, as flax's dropout makes)
+seen by a trace; ``dtype_of`` also knows JAX's key implementations by name without one."""
+
+
+@functools.lru_cache(maxsize=None)
+def key_impl(name: str) -> str | None:
+    """The name of JAX's PRNG implementation whose typed keys have the dtype ``name`` (``key<fry>``), or None."""
+    if not name.startswith("key<"):
+        return None
+    import jax
+
+    return next((impl for impl in ("threefry2x32", "rbg", "unsafe_rbg") if str(jax.random.key(0, impl=impl).dtype) == name), None)
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_of(name: str) -> Any:
+    """The dtype a graph's dtype name stands for: a NumPy dtype, or JAX's extended dtype of a PRNG key."""
+    if name in EXTENDED_DTYPES:
+        return EXTENDED_DTYPES[name]
+    impl = key_impl(name)
+    if impl is not None:
+        import jax
+
+        return jax.random.key(0, impl=impl).dtype
+    return np.dtype(name)
+
+
+def is_inexact(name: str) -> bool:
+    """Floating or complex (what has a gradient and is summed over micro-batches); a key is not."""
+    import jax  # its issubdtype knows bfloat16 and float8 as floating (NumPy's does not) and keys as neither
+
+    return bool(jax.dtypes.issubdtype(dtype_of(name), np.inexact))
+
+
 @functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize  # parsing the name is most of the cost: once per dtype
+    return dtype_of(dtype).itemsize  # parsing the name is most of the cost: once per dtype
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from jax.extend import core as jcore
 
 from alpa_lab._gc import quiet_gc
 from alpa_lab.graph import markers
-from alpa_lab.graph.opgraph import Op, OpGraph, Var
+from alpa_lab.graph.opgraph import EXTENDED_DTYPES, Op, OpGraph, Var
 
 # primitive -> name of the param holding the body to inline
 INLINED_CALLS = {
@@ -275,6 +275,9 @@ class _Builder:
 
 @functools.lru_cache(maxsize=None)
 def _dtype_name(dtype: Any) -> str:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a typed PRNG key: kept by name for dtype_of
+        EXTENDED_DTYPES[str(dtype)] = dtype
+        return str(dtype)
     return np.dtype(dtype).name
 
 

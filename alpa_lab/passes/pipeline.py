@@ -37,7 +37,7 @@ from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec, LogicalMesh
 from alpa_lab.cost.profile import CostParts, ProfileError
 from alpa_lab.graph.analysis import classify_arguments
-from alpa_lab.graph.opgraph import Op, OpGraph
+from alpa_lab.graph.opgraph import Op, OpGraph, is_inexact
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import (
     InterOpError, InterOpPlan, StageCost, logical_shapes, pipeline_latency, profile_stage_options, stage_dp, stage_dp_capped,
@@ -263,7 +263,7 @@ class PipelineProblem:
     @functools.cached_property
     def accumulated(self) -> frozenset[int]:
         """The floating tensors summed over the micro-batches (``ProgramSlicing.accumulated``)."""
-        return frozenset(v for v in self.slicing.accumulated if np.issubdtype(np.dtype(self.graph.vars[v].dtype), np.inexact))
+        return frozenset(v for v in self.slicing.accumulated if is_inexact(self.graph.vars[v].dtype))
 
     def stage_graph(
         self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1

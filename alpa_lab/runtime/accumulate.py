@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
+from alpa_lab.graph.opgraph import is_inexact
 
 __all__ = ["accumulate", "averaged"]
 
@@ -40,7 +40,7 @@ def _programs() -> tuple[Any, Any]:
 
 
 def _inexact(dtype: Any) -> bool:
-    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+    return is_inexact(str(dtype))
 
 
 def accumulate(sums: dict[int, Any], made: Sequence[tuple[int, Any]], dtypes: Mapping[int, Any]) -> None:

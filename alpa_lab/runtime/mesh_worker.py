@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa_lab.graph.opgraph import key_impl
 from alpa_lab.runtime.program import STATE, STEP, WorkerProgram, move_kind
 
 __all__ = ["Event", "MeshWorker", "WorkerAborted"]
@@ -220,7 +221,7 @@ class MeshWorker:
         self._program = program
         self._peers = {key: actor for key, (_, actor) in peers.items()}
         self._worker_ids = {key: w for key, (w, _) in peers.items()}
-        self._state = _resolve(state)
+        self._state = {v: typed(x, program.var_dtypes.get(v, "")) for v, x in _resolve(state).items()}
         self._placed = {}
         return {"load_seconds": time.perf_counter() - t0}
 
@@ -272,9 +273,11 @@ class MeshWorker:
         tasks = move.resharding.tasks
         shape = move.resharding.shape
         sharding = NamedSharding(self._meshes[move.dst_stage], move.dst_spec)
-        dtype = next(iter(parts.values())).dtype
+        first = next(iter(parts.values()))
+        dtype, trailing = first.dtype, first.shape[len(shape):]  # trailing: a typed key's data dimensions
+        var_dtype = self._program.var_dtypes.get(var, "")
         if sharding.is_fully_addressable:  # the mesh lies in this host: its regions make the whole tensor, placed in one call
-            whole = np.empty(shape, dtype)
+            whole = np.empty((*shape, *trailing), dtype)
             for k, a in parts.items():
                 whole[tasks[k].slices] = a
             if sum(a.size for a in parts.values()) != whole.size:
@@ -282,12 +285,12 @@ class MeshWorker:
                     f"worker {self.worker}: the regions received for tensor {var} cover {sum(a.size for a in parts.values())} "
                     f"of its {whole.size} elements; the move's unit tasks do not match the plan's shardings"
                 )
-            return jax.device_put(whole, sharding)
+            return jax.device_put(typed(whole, var_dtype), sharding)
         arrays = []
         for dev, index in sharding.addressable_devices_indices_map(shape).items():
             d = self._plan_id[dev]
             lo = [sl.start or 0 for sl in index]
-            tile = np.empty([(sl.stop if sl.stop is not None else n) - a for sl, a, n in zip(index, lo, shape)], dtype)
+            tile = np.empty([*((sl.stop if sl.stop is not None else n) - a for sl, a, n in zip(index, lo, shape)), *trailing], dtype)
             filled = 0
             for k in self._expect[(var, move_kind(microbatch))]:
                 if d in tasks[k].receivers:
@@ -298,7 +301,7 @@ class MeshWorker:
                     f"worker {self.worker}: the regions received for tensor {var} cover {filled} of the {tile.size} elements "
                     f"device {d} holds under {move.dst_spec}; the move's unit tasks do not match the plan's shardings"
                 )
-            arrays.append(jax.device_put(tile, dev))
+            arrays.append(jax.device_put(typed(tile, var_dtype), dev))
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def _wait(self) -> None:
@@ -319,7 +322,7 @@ class MeshWorker:
         if prog is None:
             raise RuntimeError(f"worker {self.worker} has no program: the driver must call load first")
         t_start = time.perf_counter()
-        batch = _resolve(batch)
+        batch = {v: typed(x, prog.var_dtypes.get(v, "")) for v, x in _resolve(batch).items()}
         M = prog.num_microbatches
         sent: dict[int, int] = defaultdict(int)
         micro = {v: split_microbatches(x, M) for v, x in batch.items() if prog.inputs.get(v)}
@@ -392,7 +395,7 @@ class MeshWorker:
                     parts = []
                     for k, d in regions:
                         if d not in local:
-                            local[d] = np.asarray(shards[d].data)
+                            local[d] = host_data(shards[d].data)
                         lo = [sl.start or 0 for sl in shards[d].index]
                         box = tuple(slice(a - o, b - o) for (a, b), o in zip(move.resharding.tasks[k].region, lo))
                         parts.append((k, np.array(local[d][box])))
@@ -562,10 +565,29 @@ def _resolve(refs: dict[int, Any]) -> dict[int, Any]:
 def _to_host(x: Any) -> np.ndarray:
     """A host copy of ``x``; an array spread over a group of processes is gathered (every member calls this)."""
     if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
+        return host_data(x)
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return host_data(multihost_utils.process_allgather(x, tiled=True))
+
+
+def host_data(x: Any) -> np.ndarray:
+    """``x`` as a NumPy array to send (Ray, the object store, a peer): a typed PRNG key as its key data."""
+    import jax
+
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.extended):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def typed(a: Any, dtype: str) -> Any:
+    """``a`` received as ``host_data``, as the program takes it: key data wrapped back into a typed key."""
+    impl = key_impl(dtype)
+    if impl is None:
+        return a
+    import jax
+
+    return jax.random.wrap_key_data(a, impl=impl)
 
 
 def _node_ip() -> str:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
+from alpa_lab.graph.opgraph import dtype_of
 from alpa_lab.sharding.cross_mesh import CrossMeshResharding
 
 __all__ = ["MeshPlacement", "Move", "ProgramTask", "WorkerProgram", "worker_programs", "mesh_placements", "predicted_traffic"]
@@ -179,7 +179,7 @@ def mesh_placements(compiled: Any, devices_per_host: int) -> tuple[MeshPlacement
 
 def export_task(fn: Any, graph: Any, invars: Sequence[int], in_shardings: Sequence[Any]) -> bytes:
     """``fn`` (jitted with the plan's shardings) serialised with ``jax.export`` for these inputs."""
-    avals = [jax.ShapeDtypeStruct(graph.vars[v].shape, np.dtype(graph.vars[v].dtype), sharding=s) for v, s in zip(invars, in_shardings)]
+    avals = [jax.ShapeDtypeStruct(graph.vars[v].shape, dtype_of(graph.vars[v].dtype), sharding=s) for v, s in zip(invars, in_shardings)]
     return bytes(jax.export.export(fn)(*avals).serialize())
 
 

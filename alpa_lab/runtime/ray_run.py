@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from alpa_lab.graph.trace import leaf_aval
-from alpa_lab.runtime.mesh_worker import EVENTS_KEPT, INLINE_BYTES, Event, MeshWorker
+from alpa_lab.runtime.mesh_worker import EVENTS_KEPT, INLINE_BYTES, Event, MeshWorker, host_data, typed
 from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
 
@@ -107,6 +107,8 @@ class RayRun:
     """held while events are polled and read: a dashboard and a training thread may poll at once"""
     _invars: tuple[int, ...] = ()
     _outvars: tuple[int, ...] = ()
+    _out_dtypes: tuple[str, ...] = ()
+    """the results' dtype names: a typed PRNG key comes back as its key data and is wrapped again"""
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self, *batch: Any) -> Any:
@@ -125,7 +127,7 @@ class RayRun:
         batch_vars = self._invars[self.num_state :]
         t0 = time.perf_counter()
         # a small leaf rides inline in each worker's message; a big one is one object-store copy for all readers
-        refs = {v: (a if a.nbytes <= INLINE_BYTES else ray.put(a)) for v, a in ((v, np.asarray(x)) for v, x in zip(batch_vars, leaves))}
+        refs = {v: (a if a.nbytes <= INLINE_BYTES else ray.put(a)) for v, a in ((v, host_data(x)) for v, x in zip(batch_vars, leaves))}
         keep = bool(self.keep_state_every) and (self.steps_done + 1) % self.keep_state_every == 0
         calls = []
         for prog, actor in zip(self.programs, self.actors):
@@ -151,7 +153,7 @@ class RayRun:
         self.traffic.append({"step": self.steps_done - 1, "sent": sent, "seconds": max(r["seconds"] for r in replies),
                              "step_seconds": self.last_step_seconds, "state_seconds": state_seconds})
         del self.traffic[:-TRAFFIC_KEPT]
-        flat = [results[i] for i in range(self.num_state, len(self._outvars))]
+        flat = [typed(results[i], self._out_dtypes[i]) for i in range(self.num_state, len(self._outvars))]
         rest = jax.tree_util.tree_unflatten(self._rest_tree, flat)
         return rest[0] if len(rest) == 1 else rest
 
@@ -210,7 +212,7 @@ class RayRun:
         leaves = []
         for i, v in enumerate(self._invars[: self.num_state]):
             if v in held:
-                leaves.append(held[v])
+                leaves.append(typed(held[v], str(self.arg_avals[i].dtype)))
             elif self.last_state is not None:  # a leaf no worker reads or makes: unchanged since launch
                 leaves.append(jax.tree_util.tree_leaves(self.last_state)[i])
             else:
@@ -448,7 +450,7 @@ def launch(
 
         t3 = time.perf_counter()
         invars = tuple(graph.invars)
-        host_state = [np.asarray(x) for x in state_leaves]
+        host_state = [host_data(x) for x in state_leaves]
         loads = []
         state_refs = {v: ray.put(x) for v, x in zip(invars[:num_state], host_state)}
         peers = {(pl.mesh, h): (k, a) for k, ((_, pl, _, h), a) in enumerate(zip(members, actors))}
@@ -487,6 +489,7 @@ def launch(
             _event_cursor=[0] * len(actors),
             _invars=invars,
             _outvars=tuple(graph.outvars),
+            _out_dtypes=tuple(graph.vars[o].dtype for o in graph.outvars),
             _rest_tree=rest_tree,
         )
         run._gather(loads, "loading the programs")

@@ -42,6 +42,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from alpa_lab.graph.opgraph import key_impl
+
 __all__ = ["hardware_key", "profile_cache_path", "stage_timer", "time_stages"]
 
 REPEATS = 5
@@ -144,15 +146,21 @@ def hardware_key(devices: Sequence[Any]) -> str:
     return ";".join(parts)
 
 
+def _example(var: Any) -> Any:
+    """An array of ``var``'s shape and dtype to time a task with: zeros, or a PRNG key for a typed key."""
+    impl = key_impl(var.dtype)
+    if impl is not None:
+        return jax.numpy.broadcast_to(jax.random.key(0, impl=impl), var.shape)
+    return np.zeros(var.shape, dtype=var.dtype)
+
+
 def _time_task(task: Any, graph: Any, repeats: int, cache: dict[str, float], hardware: str) -> tuple[float, bool]:
     """Median seconds of one unit task on its mesh, and whether it came from the cache.
 
     ``hardware``: the ``hardware_key`` of the process's devices; the task's own mesh (its device count) is in
     its lowered program and added to the key here too.
     """
-    args = [
-        jax.device_put(np.zeros(graph.vars[v].shape, dtype=graph.vars[v].dtype), sh) for v, sh in zip(task.invars, task.in_shardings)
-    ]
+    args = [jax.device_put(_example(graph.vars[v]), sh) for v, sh in zip(task.invars, task.in_shardings)]
     text = task.fn.lower(*args).as_text() if hasattr(task.fn, "lower") else repr(task)
     mesh_devices = len({d for sh in task.in_shardings for d in getattr(sh, "device_set", ())})
     key = hashlib.sha256(f"{hardware}\nmesh_devices={mesh_devices}\n{text}".encode()).hexdigest()
