@@ -314,9 +314,6 @@ class ParallelizedStep:
         graph = self.trace(*args)
         if self.current_plan is None:
             self.plan(*args)
-        elif graph.fingerprint != self.current_plan.fingerprint and self._own_plans.get(self.current_plan.fingerprint) is self.current_plan:
-            # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too
-            self.current_plan = self._own_plans.get(graph.fingerprint) or self.plan(*args)
         plan = self._require_plan()
         if isinstance(plan, PipelinePlan):
             if plan.problem is None:  # loaded and made current without arguments: attach it now
@@ -375,6 +372,13 @@ class ParallelizedStep:
         return (self._ray_state, *others)
 
     def __call__(self, *args: Any) -> Any:
+        plan = self.current_plan
+        if plan is not None and self._own_plans.get(plan.fingerprint) is plan:
+            fingerprint = self.trace(*args).fingerprint
+            if fingerprint != plan.fingerprint:
+                # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
+                # jax.jit traces again (only a call does: a launch or a run of other shapes is refused, as it runs the plan)
+                self.current_plan = self._own_plans.get(fingerprint) or self.plan(*args)
         if self.ray_cluster is not None:
             return self._call_on_ray(args)
         return call_compiled(self.compiled(*args), self.trace(*args), args)
@@ -525,7 +529,7 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
     data = [
         i
         for i, (p, x) in enumerate(flat)
-        if state.get(_path_str(p)) != (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+        if state.get(_path_str(p)) != (tuple(np.shape(x)), str(leaf_aval(x).dtype))
         and getattr(x, "ndim", 0) >= 1
     ]
     if not data:

@@ -114,7 +114,7 @@ def test_a_flax_train_state_with_python_scalars_runs_and_matches(microbatches):
     step = al.parallelize(train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=microbatches, layers=2)
     ref = jax.jit(train_step)
     ref_state = state
-    for _ in range(2):  # the second step's state has an array step: traced again, runs the same
+    for _ in range(2):  # the second step's state has an array step (the same key as the int: weak int32)
         state, loss = step(state, batch)
         ref_state, ref_loss = ref(ref_state, batch)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL, atol=ATOL)
@@ -214,3 +214,37 @@ def test_dropout_with_a_prng_key_plans_and_runs(typed):
     mean_grads = jax.tree.map(lambda *g: sum(g) / 4, *grads)
     assert_trees_close(new.params, state.apply_gradients(grads=mean_grads).params)
     assert float(loss) != pytest.approx(float(ref_loss), rel=1e-3)  # other masks than the whole batch's
+
+
+def test_a_python_scalar_argument_is_weakly_typed_as_jit_types_it():
+    """``params - lr * params`` with a Python float ``lr`` keeps bfloat16 parameters bfloat16, as under jax.jit."""
+    import jax.numpy as jnp
+
+    params = {"w": jnp.ones((8, 8), jnp.bfloat16)}
+
+    def scale(params, lr):
+        return jax.tree.map(lambda x: x - lr * x, params)
+
+    out = al.parallelize(scale, cluster=al.ClusterSpec.local(1, 4))(params, 0.1)
+    assert out["w"].dtype == jax.jit(scale)(params, 0.1)["w"].dtype == jnp.bfloat16
+
+
+def test_a_step_closing_over_a_typed_key_plans_and_runs():
+    """A typed key the step closes over is a constant of the program (it has no NumPy form to keep)."""
+    import jax.numpy as jnp
+
+    key = jax.random.key(3)
+    params, batch = {"w": jnp.full((16, 8), 0.1)}, {"x": jnp.ones((32, 16))}
+
+    def step_fn(params, batch):
+        def loss_fn(p):
+            mask = jax.random.bernoulli(key, 0.5, (batch["x"].shape[0], 8))
+            return jnp.mean(jnp.where(mask, batch["x"] @ p["w"], 0.0) ** 2)
+
+        loss, grads = al.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+
+    new, loss = al.parallelize(step_fn, cluster=al.ClusterSpec.local(1, 4))(params, batch)
+    ref, ref_loss = jax.jit(step_fn)(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert_trees_close(new, ref)

@@ -261,6 +261,8 @@ def test_calling_with_other_shapes_plans_them_unless_the_plan_is_the_users(step_
     assert step.current_plan is plan
     step(small.state, small.batch)
     assert step.current_plan is smaller
+    run = step.train(*example.args, steps=1).wait(120)  # a run runs the current plan: other shapes fail it, none re-planned
+    assert run.status == "failed" and "belongs to another program" in str(run.error) and step.current_plan is smaller
     edited = step.use(plan.pin(first_dot(plan).name, other_strategy(plan, first_dot(plan).name)))
     other = make_mlp(MLPConfig(batch=32, in_dim=32, hidden=64, layers=2, out_dim=16))
     with pytest.raises(al.PlanFormatError, match="belongs to another program"):

@@ -177,7 +177,8 @@ class _Builder:
         seen = self._const_ids.get(id(value))
         if seen is not None and seen[0] is value:
             return seen[1]
-        vid = self.new_var(aval, "const", value=value if is_tracer else np.asarray(value))
+        keep = is_tracer or jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)  # a typed key has no NumPy form
+        vid = self.new_var(aval, "const", value=value if keep else np.asarray(value))
         self._const_ids[id(value)] = (value, vid)  # keeps value alive so its id is not reused
         return vid
 
@@ -310,14 +311,17 @@ def leaf_aval(x: Any, shape: Sequence[int] | None = None) -> jax.ShapeDtypeStruc
     (a flax ``TrainState``'s ``step=0``, a learning rate) as JAX types it, int32/float32/bool."""
     dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
     shape = tuple(np.shape(x)) if shape is None else tuple(shape)
-    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True))
+    # weak, as jit makes a Python scalar: ``params - lr * grads`` keeps a bfloat16 model bfloat16
+    weak = bool(getattr(x, "weak_type", not hasattr(x, "dtype")))
+    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True), weak_type=weak)
 
 
 def args_signature(args: Any) -> Any:
     """The arguments' tree structure and each leaf's shape and dtype: what a trace depends on, so a
     cache key for traced programs (``ParallelizedStep``, ``Plan.jit``, a training run's program)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(np.shape(x)), str(leaf_aval(x).dtype)) for x in leaves)
+    avals = [leaf_aval(x) for x in leaves]
+    return tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals)
 
 
 def param_signature(params: dict) -> str:
