@@ -161,17 +161,18 @@ def test_ray_equals_the_in_process_runtime_on_the_same_plan(cluster):
 
 def test_typed_prng_keys_in_the_state_and_the_batch_go_to_the_workers_and_back(cluster):
     """A step with dropout whose state carries a typed key (``jax.random.key``, split every step) and whose
-    batch carries another: the keys travel as their key data and are typed keys again on the workers and back
-    on the driver. Oracle: the in-process runtime on the same plan, bit for bit on the keys."""
+    batch carries another, and which returns a key it closes over: the keys travel as their key data and are
+    typed keys again on the workers and back on the driver. Oracle: the in-process runtime on the same plan, bit
+    for bit on the keys."""
     from test_execution import _flax_step
 
     state, batch, train_step, _ = _flax_step(np.float32, dropout=0.3)
-    keyed = {"train": state, "rng": jax.random.key(7)}
+    keyed, fixed = {"train": state, "rng": jax.random.key(7)}, jax.random.key(11)
 
     def step_fn(keyed, batch, key):
         rng, sub = jax.random.split(keyed["rng"])
         new, loss = train_step(keyed["train"], batch, jax.random.fold_in(sub, jax.random.key_data(key)[-1]))
-        return {"train": new, "rng": rng}, loss
+        return {"train": new, "rng": rng}, (loss, fixed)
 
     step = al.parallelize(step_fn, cluster=al.ClusterSpec.local(HOSTS, PER_HOST), microbatches=4, layers=2)
     step.plan(keyed, batch, jax.random.key(1))
@@ -179,9 +180,10 @@ def test_typed_prng_keys_in_the_state_and_the_batch_go_to_the_workers_and_back(c
         ref = keyed
         for k in range(2):
             key = jax.random.key(100 + k)
-            loss = run.step(batch, key)
-            ref, ref_loss = step(ref, batch, key)
+            loss, returned = run.step(batch, key)
+            ref, (ref_loss, _) = step(ref, batch, key)
             assert_close(loss, ref_loss, f"step {k} loss")
+            assert np.array_equal(jax.random.key_data(returned), jax.random.key_data(fixed))
         got = run.state()
     assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key)
     assert np.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(ref["rng"]))

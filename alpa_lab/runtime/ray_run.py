@@ -377,7 +377,7 @@ def launch(
     out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
     if not out_children or out_children[0] != state_tree:
         raise LaunchError("the step must return (new_state, ...) with the same structure as the state it takes, as step(state, batch) does")
-    rest_tree = jax.tree_util.tree_structure(tuple(out_children[1:]))
+    rest_tree = jax.tree_util.treedef_tuple(out_children[1:])  # the results after the state, nested as returned
     t1 = time.perf_counter()
     try:
         programs = worker_programs(compiled, graph, placements, num_state)
@@ -395,10 +395,10 @@ def launch(
         if o in made:
             continue
         var = graph.vars[o]
-        if var.kind == "const":
-            host_leaves[i] = np.asarray(graph.consts[o])
+        if var.kind == "const":  # as the workers' results: a typed key as its key data, typed again with them
+            host_leaves[i] = host_data(graph.consts[o])
         elif var.kind == "literal":
-            host_leaves[i] = np.asarray(graph.literals[o])
+            host_leaves[i] = host_data(graph.literals[o])
         elif var.kind == "input" and i >= num_state:
             raise LaunchError(f"result {i} returns an input unchanged; the Ray runtime returns only computed results")
     bundles = [
