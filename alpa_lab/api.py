@@ -36,6 +36,18 @@ timed on this process's devices (``runtime.stage_profile``, Alpa's profiling mod
 DEFAULT_LAYERS = 8
 """Layers the automatic layering cuts a step into when pipelining (``layers=`` overrides)."""
 OWN_PLANS_KEPT = 8
+TRACES_KEPT = 8
+"""argument shapes a step keeps the trace, planner state and compiled program of, as ``jax.jit`` keeps
+its traces: alternating shapes (an epoch's last, smaller batch) compile once each; the oldest goes first"""
+
+
+def _keep(cache: dict, key: Any, value: Any, limit: int = TRACES_KEPT) -> Any:
+    """Put ``key`` last in ``cache`` (insertion order is its age) and drop the oldest beyond ``limit``."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > limit:
+        cache.pop(next(iter(cache)))
+    return value
 """plans a step keeps for the argument shapes it was called with (as jax.jit keeps its traces)"""
 
 
@@ -144,7 +156,8 @@ class ParallelizedStep:
         self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
         self._splits: dict[Any, tuple[bool, ...]] = {}
-        self._compiled: CompiledPlan | CompiledPipeline | None = None
+        self._compiled: list[tuple[Plan | PipelinePlan, CompiledPlan | CompiledPipeline]] = []
+        """(plan, its compiled program), the most recently used last (at most ``TRACES_KEPT``)"""
         self._problems: dict[Any, Any] = {}
         self._own_plans: dict[str, Plan | PipelinePlan] = {}
         """program fingerprint -> the plan ``plan()`` made for it, unedited: a call with other shapes
@@ -165,14 +178,18 @@ class ParallelizedStep:
         """
         key = args_signature(args)
         self._last_args = jax.tree_util.tree_map(leaf_aval, args)
-        if key not in self._graphs:
+        graph = self._graphs.get(key)
+        if graph is None:
             if self.pipelined:
-                self._graphs[key], self._splits[key] = trace_microbatched(
+                graph, self._splits[key] = trace_microbatched(
                     self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat
                 )
             else:
-                self._graphs[key] = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
-        return self._graphs[key]
+                graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
+        _keep(self._graphs, key, graph)
+        for old in [k for k in self._splits if k not in self._graphs]:
+            del self._splits[old]
+        return graph
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
@@ -196,7 +213,7 @@ class ParallelizedStep:
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
         )
-        self._problems[graph.fingerprint] = problem
+        _keep(self._problems, graph.fingerprint, problem)
         plan = PipelinePlan(
             fingerprint=graph.fingerprint,
             method=self.method,
@@ -283,7 +300,7 @@ class ParallelizedStep:
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
                         problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
                         if dict(plan.cluster) == self.cluster.to_dict():
-                            self._problems[graph.fingerprint] = problem
+                            _keep(self._problems, graph.fingerprint, problem)
                     plan = plan.attach(problem)
             self.current_plan = plan
             return plan
@@ -319,9 +336,10 @@ class ParallelizedStep:
             if plan.problem is None:  # loaded and made current without arguments: attach it now
                 plan = self.use(plan, *args)
             plan.check_program(graph)  # other shapes are another program: say so, run nothing
-            if self._compiled is None or getattr(self._compiled, "plan", None) is not plan:
+            compiled = self._compiled_for(plan)
+            if compiled is None:
                 sched = stage_schedule(plan._current_stages(), plan.schedule, plan.num_microbatches)
-                old = self._compiled
+                old = self._compiled[-1][1] if self._compiled else None
                 if (
                     isinstance(old, CompiledPipeline)
                     and old.schedule.split_backward == sched.split_backward
@@ -333,12 +351,26 @@ class ParallelizedStep:
                     pieces = [plan.problem.piece(st.layers) for st in plan.stages]
                     compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, self._split(*args), pieces=pieces)
                     compiled.plan = plan
-                self._compiled = compiled
-            return self._compiled
+                self._keep_compiled(plan, compiled)
+            return compiled
         plan.check_program(graph)  # other shapes are another program: say so, run nothing
-        if self._compiled is None or self._compiled.plan is not plan:
-            self._compiled = compile_plan(graph, plan)
-        return self._compiled
+        compiled = self._compiled_for(plan)
+        if compiled is None:
+            compiled = self._keep_compiled(plan, compile_plan(graph, plan))
+        return compiled
+
+    def _compiled_for(self, plan: Plan | PipelinePlan) -> CompiledPlan | CompiledPipeline | None:
+        """``plan``'s compiled program if the step still keeps it (then it becomes the most recent)."""
+        for i, (p, compiled) in enumerate(self._compiled):
+            if p is plan:
+                self._compiled.append(self._compiled.pop(i))
+                return compiled
+        return None
+
+    def _keep_compiled(self, plan: Plan | PipelinePlan, compiled: Any) -> Any:
+        self._compiled.append((plan, compiled))
+        del self._compiled[:-TRACES_KEPT]
+        return compiled
 
     def on_ray(self, cluster: Any | None, **launch_options: Any) -> ParallelizedStep:
         """Make calls of this step run on ``cluster``'s mesh workers (None: back in this process).
@@ -372,16 +404,17 @@ class ParallelizedStep:
         return (self._ray_state, *others)
 
     def __call__(self, *args: Any) -> Any:
+        graph = None
         plan = self.current_plan
         if plan is not None and self._own_plans.get(plan.fingerprint) is plan:
-            fingerprint = self.trace(*args).fingerprint
-            if fingerprint != plan.fingerprint:
+            graph = self.trace(*args)
+            if graph.fingerprint != plan.fingerprint:
                 # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
                 # jax.jit traces again (only a call does: a launch or a run of other shapes is refused, as it runs the plan)
-                self.current_plan = self._own_plans.get(fingerprint) or self.plan(*args)
+                self.current_plan = self._own_plans.get(graph.fingerprint) or self.plan(*args)
         if self.ray_cluster is not None:
             return self._call_on_ray(args)
-        return call_compiled(self.compiled(*args), self.trace(*args), args)
+        return call_compiled(self.compiled(*args), graph if graph is not None else self.trace(*args), args)
 
     def last_args(self, state: Any) -> tuple:
         """``state`` and the other arguments (shapes only) the step was last traced with."""
@@ -390,18 +423,66 @@ class ParallelizedStep:
         return (state, *self._last_args[1:])
 
     def launch(
-        self, cluster: Any, state: Any, *example: Any, keep_state_every: int | None = None, step_timeout: float | None = None
+        self, cluster: Any = None, state: Any = None, *example: Any, backend: str = "ray", address: str | None = None,
+        keep_state_every: int | None = None, step_timeout: float | None = None,
     ) -> Any:
-        """Run the current plan on a Ray cluster's mesh workers (``RayCluster``); returns the ``RayRun``.
+        """Run a plan on a Ray cluster's mesh workers; returns the ``RayRun``.
+
+        ``step.launch(ray_cluster, state)`` runs the current plan on ``ray_cluster`` (a ``RayCluster``).
+        ``step.launch(plan, state)`` makes ``plan`` current first (``use``), then runs it on the step's
+        Ray cluster (``on_ray``), else on the one at ``address`` (``RayCluster.connect``: "auto" joins
+        the running one), else on a local Ray of the plan's shape started for this run and stopped
+        when the run closes. ``backend`` is "ray", the only one off this process (in it: call the step,
+        or ``train``).
 
         The state goes to the workers once and stays there; ``run.step(batch)`` trains,
-        ``run.state()`` fetches the state. The driver keeps a copy every ``keep_state_every``
-        steps (``run.last_state``), to launch again from if a worker dies; by default every
-        step for states up to 256 MiB, every 100 steps for bigger ones.
+        ``run.state()`` fetches the state. ``example``: the step's other arguments (shapes only) if
+        the plan was not made with them. The driver keeps a copy every ``keep_state_every`` steps
+        (``run.last_state``), to launch again from if a worker dies; by default every step for
+        states up to 256 MiB, every 100 steps for bigger ones.
         """
-        from alpa_lab.runtime.ray_run import launch
+        from alpa_lab.runtime.ray_cluster import RayCluster
+        from alpa_lab.runtime.ray_run import LaunchError, launch
 
-        return launch(self, cluster, state, *example, keep_state_every=keep_state_every, step_timeout=step_timeout)
+        if backend != "ray":
+            raise ValueError(
+                f"backend must be 'ray' (mesh workers on a Ray cluster), got {backend!r}; to run in this process, "
+                "call the step (step(state, batch)) or step.train(state, batches)"
+            )
+        if state is None:
+            raise LaunchError(
+                "launch needs the training state to put on the mesh workers: step.launch(ray_cluster, state) "
+                "or step.launch(plan, state)"
+            )
+        if isinstance(cluster, (Plan, PipelinePlan)):
+            self.use(cluster)
+            cluster = None
+        elif cluster is not None and not isinstance(cluster, RayCluster):
+            raise TypeError(
+                f"launch takes a RayCluster or a plan (Plan, PipelinePlan) first, got {type(cluster).__name__}: "
+                "step.launch(RayCluster.local(2, 4), state) or step.launch(plan, state)"
+            )
+        options = {"keep_state_every": keep_state_every, "step_timeout": step_timeout}
+        if cluster is not None:
+            return launch(self, cluster, state, *example, **options)
+        if self.ray_cluster is not None and not self.ray_cluster._closed and address is None:
+            return launch(self, self.ray_cluster, state, *example, **options)
+        if address is not None:
+            return launch(self, RayCluster.connect(address), state, *example, **options)
+        plan = self.current_plan
+        if plan is None:
+            raise LaunchError("the step has no plan yet: call step.plan(state, batch) first, or launch a plan")
+        shape = (plan.cluster.get("hosts"), plan.cluster.get("devices_per_host"))
+        if not all(isinstance(n, int) and n > 0 for n in shape):
+            raise LaunchError(f"the plan does not say its cluster's shape (hosts x devices per host: {shape}): pass a RayCluster")
+        owned = RayCluster.local(*shape, platform="cpu" if plan.cluster.get("simulated", True) else "gpu")
+        try:
+            run = launch(self, owned, state, *example, **options)
+        except BaseException:
+            owned.shutdown()
+            raise
+        run.owns_cluster = True
+        return run
 
     def train(self, state: Any, batches: Any, *, steps: int = 100, **options: Any) -> Any:
         """Train the current plan for ``steps`` steps in a background thread; returns the ``TrainingRun``.
@@ -428,7 +509,7 @@ class ParallelizedStep:
         if isinstance(plan, PipelinePlan):
             new = plan.recalibrated(profile)
             self.cluster = ClusterSpec(**new.cluster)
-            self._problems[new.fingerprint] = new.problem
+            _keep(self._problems, new.fingerprint, new.problem)
             self.current_plan = new
             return new
         from alpa_lab.cost.profile import ProfileError

@@ -186,14 +186,27 @@ def test_missing_and_malformed_fields_are_named(edited, tmp_path, edit, match):
         PipelinePlan.load(write(tmp_path, data))
 
 
-def test_each_class_names_the_other_for_the_other_kind_of_plan(edited, tmp_path):
+def test_plan_load_loads_any_plan_and_pipeline_plan_load_names_plan_load_for_a_single_one(edited, tmp_path):
     single = tmp_path / "single.json"
     edited["plan"].stages[0].plan.save(single)  # a stage's plan is a single-mesh Plan
     assert Plan.load(single) == edited["plan"].stages[0].plan
     with pytest.raises(PlanFormatError, match=r"single-mesh Plan, not a pipeline plan: load it with alpa_lab\.Plan\.load"):
         PipelinePlan.load(single)
-    with pytest.raises(PlanFormatError, match=r"is a pipeline plan .* load it with alpa_lab\.PipelinePlan\.load"):
-        Plan.load(edited["path"])
+    loaded = Plan.load(edited["path"])  # al.Plan.load("plan.json"), whatever kind of plan the file holds
+    assert isinstance(loaded, PipelinePlan) and loaded == edited["plan"] == PipelinePlan.load(edited["path"])
+    assert Plan.from_json(edited["plan"].to_json()) == edited["plan"]
+
+
+def test_a_pipeline_plan_lists_finds_and_explains_its_ops_as_a_single_plan_does(edited):
+    plan, name = edited["plan"], edited["op"]
+    assert plan.ops == tuple(o for st in plan.stages for o in st.plan.ops)
+    assert {o.name for o in plan.ops if o.kind == "op"} == {o.name for st in plan.stages for o in st.plan.ops if o.kind == "op"}
+    stage = plan.stages[plan.stage_of(name)]
+    assert plan.op(name) == stage.plan.op(name) and plan.op(name).strategy == edited["strategy"]
+    assert plan.explain(name) == stage.plan.explain(name)
+    assert any(a.chosen and a.strategy == edited["strategy"] for a in plan.explain(name).alternatives)
+    with pytest.raises(al.PinError, match="no op or argument named 'dot_generall_0'"):
+        plan.explain("dot_generall_0")
 
 
 def test_a_plan_that_does_not_fit_the_step_is_refused_and_the_previous_plan_stays(edited):

@@ -272,6 +272,34 @@ def test_calling_with_other_shapes_plans_them_unless_the_plan_is_the_users(step_
     assert np.isfinite(float(loss))
 
 
+def test_alternating_shapes_compile_once_each_and_the_step_keeps_a_bounded_number_of_shapes(example):
+    """As ``jax.jit`` caches per shapes: an epoch's full and last, smaller batch alternate without compiling
+    again (the same compiled program comes back), and a step called with many shapes keeps the newest
+    ``TRACES_KEPT`` of their traces, planner states and programs, not all of them."""
+    from alpa_lab.api import TRACES_KEPT
+
+    for kw in ({"mesh_shape": (2, 2)}, {"microbatches": 2, "layers": 2}):
+        step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), **kw)
+        small = make_mlp(dataclasses.replace(CFG, batch=CFG.batch // 2))
+        step(*example.args)
+        big_program = step.compiled(*example.args)
+        step(small.state, small.batch)
+        small_program = step.compiled(small.state, small.batch)
+        assert small_program is not big_program
+        for _ in range(2):
+            _, loss = step(*example.args)
+            assert step.compiled(*example.args) is big_program, kw  # not compiled again
+            _, small_loss = step(small.state, small.batch)
+            assert step.compiled(small.state, small.batch) is small_program, kw
+        ref = [float(jax.jit(e.train_step)(*e.args)[1]) for e in (example, small)]
+        np.testing.assert_allclose([float(loss), float(small_loss)], ref, rtol=2e-4, atol=2e-5)
+    step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), mesh_shape=(2, 2))
+    for batch in range(4, 4 + 2 * (TRACES_KEPT + 3), 2):
+        step(*make_mlp(dataclasses.replace(CFG, batch=batch)).args)
+    assert len(step._graphs) == len(step._compiled) == TRACES_KEPT and len(step._own_plans) <= TRACES_KEPT
+    assert step.trace(*make_mlp(dataclasses.replace(CFG, batch=4)).args) is not None  # the oldest is traced again
+
+
 def test_pins_survive_saving_and_retracing(step_and_plan, tmp_path, example):
     _, plan = step_and_plan
     dot = first_dot(plan).name

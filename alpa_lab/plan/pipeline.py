@@ -37,7 +37,7 @@ from alpa_lab.plan.schema import (
     _text,
     _with_path,
 )
-from alpa_lab.plan.single import PinError, Plan, _plan_from_dict, _signed_pct
+from alpa_lab.plan.single import Explanation, OpPlan, PinError, Plan, _plan_from_dict, _signed_pct
 from alpa_lab.plan.timeline import SCHEDULE_NAMES, Timeline, TimelineRecord, pipeline_latency
 from alpa_lab.sharding.constraints import spec_sharding
 
@@ -175,6 +175,20 @@ class PipelinePlan:
                 return st.index
         names = [o.name for st in self.stages for o in st.plan.ops]
         raise PinError(f"no op or argument named {op!r} in this plan{did_you_mean(op, names)}", (op,))
+
+    @property
+    def ops(self) -> tuple[OpPlan, ...]:
+        """Every stage's ops and arguments, stage by stage, as ``Plan.ops`` lists one mesh's (an argument
+        that several stages read is listed in each, with the spec that stage gives it)."""
+        return tuple(o for st in self.stages for o in st.plan.ops)
+
+    def op(self, name: str) -> OpPlan:
+        """The op (or argument) ``name`` as the stage that holds it planned it (``stage_of``)."""
+        return self.stages[self.stage_of(name)].plan.op(name)
+
+    def explain(self, op: str) -> Explanation:
+        """Every strategy of ``op`` with its cost, the rest of its stage held as planned (``Plan.explain``)."""
+        return self.stages[self.stage_of(op)].plan.explain(op)
 
     def summary(self) -> str:
         lines = [

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 
@@ -25,6 +25,9 @@ from alpa_lab.cost.cluster import Collective, _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
 from alpa_lab.plan.schema import PIPELINE_PLAN_TYPE, SCHEMA_VERSION, PlanFormatError, _collectives, _plan_json, _read_plan_file
 from alpa_lab.sharding.constraints import ConstrainedStep, device_mesh, spec_sharding
+
+if TYPE_CHECKING:
+    from alpa_lab.plan.pipeline import PipelinePlan
 
 
 class PinError(ValueError):
@@ -351,20 +354,22 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str) -> Plan | PipelinePlan:
+        """The plan ``to_json`` wrote. Any saved plan loads here: a pipeline plan's JSON gives the
+        ``PipelinePlan`` it was (``PipelinePlan.from_json`` takes only those)."""
         data = _plan_json(text, "plan")
         if data.get("plan_type") == PIPELINE_PLAN_TYPE:
-            raise PlanFormatError(
-                "this JSON is a pipeline plan (stages on sub-meshes), not a single-mesh Plan: "
-                "load it with alpa_lab.PipelinePlan.load (or PipelinePlan.from_json)"
-            )
+            from alpa_lab.plan.pipeline import PipelinePlan
+
+            return PipelinePlan.from_json(text)
         try:
             return _plan_from_dict(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanFormatError(f"plan JSON is missing or has malformed fields: {exc!r}") from exc
 
     @classmethod
-    def load(cls, path: str | Path) -> Plan:
+    def load(cls, path: str | Path) -> Plan | PipelinePlan:
+        """A saved plan: a ``Plan``, or the ``PipelinePlan`` a pipeline plan's file holds."""
         return cls.from_json(_read_plan_file(path))
 
     def check_program(self, graph: OpGraph) -> None:

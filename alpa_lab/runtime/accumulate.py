@@ -39,19 +39,15 @@ def _programs() -> tuple[Any, Any]:
     return _ADD, _DIVIDE
 
 
-def _inexact(dtype: Any) -> bool:
-    return is_inexact(str(dtype))
-
-
 def accumulate(sums: dict[int, Any], made: Sequence[tuple[int, Any]], dtypes: Mapping[int, Any]) -> None:
     """Add one micro-batch's ``(var, value)`` pairs into ``sums`` (in place), in one program.
 
     The first value of a tensor is kept as it is; a tensor that is not floating keeps the latest.
     """
     add, _ = _programs()
-    pairs = [(v, x) for v, x in made if v in sums and _inexact(dtypes[v])]
+    pairs = [(v, x) for v, x in made if v in sums and is_inexact(dtypes[v])]
     for v, x in made:
-        if v not in sums or not _inexact(dtypes[v]):
+        if v not in sums or not is_inexact(dtypes[v]):
             sums[v] = x
     if pairs:
         for (v, _), total in zip(pairs, add([sums[v] for v, _ in pairs], [x for _, x in pairs])):
@@ -64,7 +60,7 @@ def averaged(sums: Mapping[int, Any], num_microbatches: int, dtypes: Mapping[int
     out = dict(sums)
     per_mesh: dict[frozenset, list[int]] = {}
     for v, x in sums.items():
-        if _inexact(dtypes[v]):
+        if is_inexact(dtypes[v]):
             per_mesh.setdefault(frozenset(d.id for d in x.devices()), []).append(v)
     for floating in per_mesh.values():
         out.update(zip(floating, divide([sums[v] for v in floating], num_microbatches)))

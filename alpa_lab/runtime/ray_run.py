@@ -101,6 +101,8 @@ class RayRun:
     last_state_seconds: float = 0.0
     """seconds the last step's copy of the state back to the driver took (0 when that step kept none)"""
     closed: bool = False
+    owns_cluster: bool = False
+    """the Ray cluster was started for this run (``ParallelizedStep.launch(plan, state)``): closing the run stops it"""
     _event_cursor: list[int] = field(default_factory=list, repr=False)
     _events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT), repr=False)
     _events_lock: Any = field(default_factory=threading.RLock, repr=False)
@@ -283,11 +285,14 @@ class RayRun:
 
     # ----- ending ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the mesh workers and free their placement group (the Ray cluster keeps running)."""
+        """Stop the mesh workers and free their placement group; the Ray cluster keeps running, unless
+        it was started for this run (``owns_cluster``)."""
         if self.closed:
             return
         self.closed = True
         _release(_ray(), self.actors, self.placement_group)
+        if self.owns_cluster:
+            self.cluster.shutdown()
 
     def _check_open(self) -> None:
         if self.closed:

@@ -619,7 +619,8 @@ def cross_mesh_resharding(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    itemsize = dtype_of(str(dtype)).itemsize if isinstance(dtype, str) else np.dtype(dtype).itemsize
+    dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name  # by name: a typed key has no NumPy dtype
+    itemsize = dtype_of(dtype).itemsize
 
     def host(d: int) -> int:
         return d if devices_per_host is None else d // devices_per_host
@@ -694,8 +695,7 @@ def cross_mesh_resharding(
         mine = tuple(sorted(groups[k], key=lambda g: receivers.index(g[1][0])))
         tasks.append(UnitTask(region, nbytes, senders, receivers, tuple((source[r], r) for r in receivers), mine))
     return CrossMeshResharding(
-        shape, dtype if isinstance(dtype, str) else np.dtype(dtype).name, src, src_mesh_shape, src_devices,
-        dst, dst_mesh_shape, dst_devices, tuple(tasks),
+        shape, dtype, src, src_mesh_shape, src_devices, dst, dst_mesh_shape, dst_devices, tuple(tasks),
         method=method, order=order, devices_per_host=devices_per_host, schedule=tuple(schedule), optimal=optimal,
         planning_seconds=time.perf_counter() - t0,
     )

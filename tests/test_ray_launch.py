@@ -1,0 +1,110 @@
+"""``step.launch`` in the two forms a user types: on a Ray cluster they started (``launch(ray_cluster,
+state)``, the rest of the Ray tests) and with a plan (``launch(plan, state)``, as the design sketch has
+it), which starts a local Ray of the plan's shape for the run and stops it with the run, or joins the
+one at ``address``. The oracle for the numbers is the same plan run in this process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import alpa_lab as al
+from alpa_lab.models import tiny_example
+from alpa_lab.runtime.ray_cluster import RayCluster
+
+pytestmark = pytest.mark.timeout(600)
+
+ray = pytest.importorskip("ray")
+
+
+def ray_processes() -> list[str]:
+    return subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout.split()
+
+
+def wait_for_no_ray_processes(timeout: float = 20.0) -> list[str]:
+    deadline = time.time() + timeout
+    while (left := ray_processes()) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """A two-stage MLP plan for local 2 x 4 devices and its in-process losses and state (the reference)."""
+    if ray.is_initialized():  # another module's Ray: these tests start their own
+        ray.shutdown()
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=4, layers=4)
+    plan = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)])
+    step.use(plan)
+    state, losses = ex.state, []
+    for _ in range(2):
+        state, loss = step(state, ex.batch)
+        losses.append(float(loss))
+    return ex, step, plan, losses, state
+
+
+def assert_trains_like_reference(run, ex, losses, state) -> None:
+    got = [float(run.step(ex.batch)) for _ in range(2)]
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    import jax
+
+    for a, b in zip(jax.tree_util.tree_leaves(run.state()), jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_launching_a_plan_starts_a_local_ray_of_its_shape_and_closing_the_run_stops_it(planned):
+    ex, step, plan, losses, state = planned
+    edited = plan.with_schedule("gpipe")
+    with step.launch(edited, ex.state) as run:
+        assert run.owns_cluster and run.cluster.started_here
+        assert (run.cluster.hosts, run.cluster.devices_per_host) == (2, 4)
+        assert step.current_plan is run.plan and run.plan.schedule == "gpipe"  # the plan launched became current
+        assert len(run.workers) == 2
+        assert_trains_like_reference(run, ex, losses, state)  # GPipe and 1F1B sum the same micro-batches
+    assert not ray.is_initialized()
+    assert not wait_for_no_ray_processes(), "the Ray started for the run was left running"
+    step.use(plan)
+
+
+def test_a_plan_launched_at_an_address_joins_that_ray_and_leaves_it_running(planned):
+    ex = planned[0]
+    # a local Ray is one node: joined at its address it is one host of 8 devices, so plan for 1 x 8
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 8), microbatches=4, layers=4)
+    plan = step.use(step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)]))
+    state, losses = ex.state, []
+    for _ in range(2):
+        state, loss = step(state, ex.batch)
+        losses.append(float(loss))
+    with RayCluster.local(1, 8) as mine:
+        with step.launch(plan, ex.state, address="auto") as run:
+            assert not run.owns_cluster and not run.cluster.started_here
+            assert_trains_like_reference(run, ex, losses, state)
+        assert ray.is_initialized() and not mine._closed  # the user's Ray is theirs to stop
+        step.on_ray(mine)  # on a step bound to a Ray cluster, a plan launches there
+        try:
+            with step.launch(plan, ex.state) as run:
+                assert run.cluster is mine and not run.owns_cluster
+        finally:
+            step.on_ray(None)
+        assert ray.is_initialized()
+    assert not wait_for_no_ray_processes()
+
+
+def test_bad_launches_say_what_to_pass_and_start_nothing(planned):
+    ex, step, plan, *_ = planned
+    with pytest.raises(ValueError, match="backend must be 'ray'.*call the step"):
+        step.launch(plan, ex.state, backend="inprocess")
+    with pytest.raises(al.LaunchError, match=r"needs the training state.*step\.launch\(plan, state\)"):
+        step.launch(plan)
+    with pytest.raises(TypeError, match="takes a RayCluster or a plan"):
+        step.launch("local:2x4", ex.state)
+    fresh = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=4, layers=4)
+    with pytest.raises(al.LaunchError, match="no plan yet"):
+        fresh.launch(state=ex.state)
+    assert step.current_plan is plan
+    assert not ray.is_initialized() and not ray_processes()
