@@ -9,6 +9,7 @@ current plan, compiled once). It holds the *current plan*; editing returns new p
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, Mapping
 
@@ -36,19 +37,22 @@ timed on this process's devices (``runtime.stage_profile``, Alpa's profiling mod
 DEFAULT_LAYERS = 8
 """Layers the automatic layering cuts a step into when pipelining (``layers=`` overrides)."""
 OWN_PLANS_KEPT = 8
+"""plans a step keeps for the argument shapes it was called with (as jax.jit keeps its traces)"""
 TRACES_KEPT = 8
 """argument shapes a step keeps the trace, planner state and compiled program of, as ``jax.jit`` keeps
-its traces: alternating shapes (an epoch's last, smaller batch) compile once each; the oldest goes first"""
+its traces: alternating shapes (an epoch's last, smaller batch) compile once each; the least recently
+used goes first"""
 
 
 def _keep(cache: dict, key: Any, value: Any, limit: int = TRACES_KEPT) -> Any:
-    """Put ``key`` last in ``cache`` (insertion order is its age) and drop the oldest beyond ``limit``."""
+    """Put ``key`` last in ``cache`` (insertion order is its age) and drop the oldest beyond ``limit``.
+
+    Callers hold the step's ``_cache_lock``: a training run's thread traces and compiles too."""
     cache.pop(key, None)
     cache[key] = value
-    while len(cache) > limit:
-        cache.pop(next(iter(cache)))
+    for old in list(cache)[: max(len(cache) - limit, 0)]:
+        cache.pop(old, None)
     return value
-"""plans a step keeps for the argument shapes it was called with (as jax.jit keeps its traces)"""
 
 
 @quiet_gc()
@@ -156,6 +160,7 @@ class ParallelizedStep:
         self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
         self._splits: dict[Any, tuple[bool, ...]] = {}
+        self._cache_lock = threading.RLock()  # the caches below; a training run's thread uses them too
         self._compiled: list[tuple[Plan | PipelinePlan, CompiledPlan | CompiledPipeline]] = []
         """(plan, its compiled program), the most recently used last (at most ``TRACES_KEPT``)"""
         self._problems: dict[Any, Any] = {}
@@ -178,23 +183,29 @@ class ParallelizedStep:
         """
         key = args_signature(args)
         self._last_args = jax.tree_util.tree_map(leaf_aval, args)
-        graph = self._graphs.get(key)
+        with self._cache_lock:
+            graph, split = self._graphs.get(key), self._splits.get(key)
         if graph is None:
             if self.pipelined:
-                graph, self._splits[key] = trace_microbatched(
-                    self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat
-                )
+                graph, split = trace_microbatched(self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat)
             else:
                 graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
-        _keep(self._graphs, key, graph)
-        for old in [k for k in self._splits if k not in self._graphs]:
-            del self._splits[old]
+        with self._cache_lock:
+            _keep(self._graphs, key, graph)
+            if split is not None:
+                self._splits[key] = split
+            for old in [k for k in self._splits if k not in self._graphs]:
+                del self._splits[old]
         return graph
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
-        self.trace(*args)
-        return self._splits[args_signature(args)]
+        key = args_signature(args)
+        while True:  # traced again if another thread's trace evicted these shapes meanwhile
+            self.trace(*args)
+            with self._cache_lock:
+                if key in self._splits:
+                    return self._splits[key]
 
     def _plan_pipeline(self, args: tuple, pins: Mapping[str, str] | None, progress: Callable[[str], None] | None) -> PipelinePlan:
         t0 = time.perf_counter()
@@ -213,7 +224,8 @@ class ParallelizedStep:
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
         )
-        _keep(self._problems, graph.fingerprint, problem)
+        with self._cache_lock:
+            _keep(self._problems, graph.fingerprint, problem)
         plan = PipelinePlan(
             fingerprint=graph.fingerprint,
             method=self.method,
@@ -261,9 +273,8 @@ class ParallelizedStep:
                 progress=progress,
             )
         if not pins:
-            if len(self._own_plans) >= OWN_PLANS_KEPT:
-                self._own_plans.pop(next(iter(self._own_plans)))
-            self._own_plans[plan.fingerprint] = plan
+            with self._cache_lock:
+                _keep(self._own_plans, plan.fingerprint, plan, OWN_PLANS_KEPT)
         self.current_plan = plan
         return plan
 
@@ -300,7 +311,8 @@ class ParallelizedStep:
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
                         problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
                         if dict(plan.cluster) == self.cluster.to_dict():
-                            _keep(self._problems, graph.fingerprint, problem)
+                            with self._cache_lock:
+                                _keep(self._problems, graph.fingerprint, problem)
                     plan = plan.attach(problem)
             self.current_plan = plan
             return plan
@@ -339,7 +351,8 @@ class ParallelizedStep:
             compiled = self._compiled_for(plan)
             if compiled is None:
                 sched = stage_schedule(plan._current_stages(), plan.schedule, plan.num_microbatches)
-                old = self._compiled[-1][1] if self._compiled else None
+                with self._cache_lock:
+                    old = self._compiled[-1][1] if self._compiled else None
                 if (
                     isinstance(old, CompiledPipeline)
                     and old.schedule.split_backward == sched.split_backward
@@ -361,15 +374,17 @@ class ParallelizedStep:
 
     def _compiled_for(self, plan: Plan | PipelinePlan) -> CompiledPlan | CompiledPipeline | None:
         """``plan``'s compiled program if the step still keeps it (then it becomes the most recent)."""
-        for i, (p, compiled) in enumerate(self._compiled):
-            if p is plan:
-                self._compiled.append(self._compiled.pop(i))
-                return compiled
+        with self._cache_lock:
+            for i, (p, compiled) in enumerate(self._compiled):
+                if p is plan:
+                    self._compiled.append(self._compiled.pop(i))
+                    return compiled
         return None
 
     def _keep_compiled(self, plan: Plan | PipelinePlan, compiled: Any) -> Any:
-        self._compiled.append((plan, compiled))
-        del self._compiled[:-TRACES_KEPT]
+        with self._cache_lock:
+            self._compiled[:] = [(p, c) for p, c in self._compiled if p is not plan] + [(plan, compiled)]
+            del self._compiled[:-TRACES_KEPT]
         return compiled
 
     def on_ray(self, cluster: Any | None, **launch_options: Any) -> ParallelizedStep:
@@ -411,7 +426,11 @@ class ParallelizedStep:
             if graph.fingerprint != plan.fingerprint:
                 # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
                 # jax.jit traces again (only a call does: a launch or a run of other shapes is refused, as it runs the plan)
-                self.current_plan = self._own_plans.get(graph.fingerprint) or self.plan(*args)
+                with self._cache_lock:
+                    kept = self._own_plans.get(graph.fingerprint)
+                    if kept is not None:
+                        _keep(self._own_plans, graph.fingerprint, kept, OWN_PLANS_KEPT)  # used: the last to go
+                self.current_plan = kept or self.plan(*args)
         if self.ray_cluster is not None:
             return self._call_on_ray(args)
         return call_compiled(self.compiled(*args), graph if graph is not None else self.trace(*args), args)
@@ -454,34 +473,43 @@ class ParallelizedStep:
                 "launch needs the training state to put on the mesh workers: step.launch(ray_cluster, state) "
                 "or step.launch(plan, state)"
             )
-        if isinstance(cluster, (Plan, PipelinePlan)):
-            self.use(cluster)
-            cluster = None
-        elif cluster is not None and not isinstance(cluster, RayCluster):
+        options = {"keep_state_every": keep_state_every, "step_timeout": step_timeout}
+        if isinstance(cluster, RayCluster):
+            if address is not None:
+                raise ValueError("give a RayCluster or an address to launch on, not both")
+            return launch(self, cluster, state, *example, **options)
+        if cluster is not None and not isinstance(cluster, (Plan, PipelinePlan)):
             raise TypeError(
                 f"launch takes a RayCluster or a plan (Plan, PipelinePlan) first, got {type(cluster).__name__}: "
                 "step.launch(RayCluster.local(2, 4), state) or step.launch(plan, state)"
             )
-        options = {"keep_state_every": keep_state_every, "step_timeout": step_timeout}
+        if address is None and self.ray_cluster is not None and self.ray_cluster._closed:
+            raise LaunchError(
+                "the step's Ray cluster (on_ray) was shut down; start one with RayCluster.local(...) and call "
+                "step.on_ray(cluster), or step.on_ray(None) to launch on a Ray started for the run"
+            )
+        previous = self.current_plan
         if cluster is not None:
-            return launch(self, cluster, state, *example, **options)
-        if self.ray_cluster is not None and not self.ray_cluster._closed and address is None:
-            return launch(self, self.ray_cluster, state, *example, **options)
-        if address is not None:
-            return launch(self, RayCluster.connect(address), state, *example, **options)
+            self.use(cluster)
         plan = self.current_plan
         if plan is None:
             raise LaunchError("the step has no plan yet: call step.plan(state, batch) first, or launch a plan")
-        shape = (plan.cluster.get("hosts"), plan.cluster.get("devices_per_host"))
-        if not all(isinstance(n, int) and n > 0 for n in shape):
-            raise LaunchError(f"the plan does not say its cluster's shape (hosts x devices per host: {shape}): pass a RayCluster")
-        owned = RayCluster.local(*shape, platform="cpu" if plan.cluster.get("simulated", True) else "gpu")
+        owned = None
         try:
-            run = launch(self, owned, state, *example, **options)
-        except BaseException:
-            owned.shutdown()
+            if address is not None:
+                target = RayCluster.connect(address)
+            elif self.ray_cluster is not None:
+                target = self.ray_cluster
+            else:
+                shape = (plan.cluster.get("hosts"), plan.cluster.get("devices_per_host"))
+                owned = target = RayCluster.local(*shape, platform="cpu" if plan.cluster.get("simulated", True) else "gpu")
+            run = launch(self, target, state, *example, **options)
+        except BaseException:  # nothing launched: the plan that was current stays, a Ray started here stops
+            if owned is not None:
+                owned.shutdown()
+            self.current_plan = previous
             raise
-        run.owns_cluster = True
+        run.owns_cluster = owned is not None
         return run
 
     def train(self, state: Any, batches: Any, *, steps: int = 100, **options: Any) -> Any:
@@ -509,7 +537,8 @@ class ParallelizedStep:
         if isinstance(plan, PipelinePlan):
             new = plan.recalibrated(profile)
             self.cluster = ClusterSpec(**new.cluster)
-            _keep(self._problems, new.fingerprint, new.problem)
+            with self._cache_lock:
+                _keep(self._problems, new.fingerprint, new.problem)
             self.current_plan = new
             return new
         from alpa_lab.cost.profile import ProfileError

@@ -207,6 +207,8 @@ def test_a_pipeline_plan_lists_finds_and_explains_its_ops_as_a_single_plan_does(
     assert any(a.chosen and a.strategy == edited["strategy"] for a in plan.explain(name).alternatives)
     with pytest.raises(al.PinError, match="no op or argument named 'dot_generall_0'"):
         plan.explain("dot_generall_0")
+    with pytest.raises(PlanFormatError, match="pipeline plan .* is not one jax.jit program"):
+        plan.jit(edited["ex"].train_step)
 
 
 def test_a_plan_that_does_not_fit_the_step_is_refused_and_the_previous_plan_stays(edited):

@@ -245,6 +245,13 @@ def test_untraceable_function_is_clear():
     assert step.current_plan is None
 
 
+def test_an_argument_jax_cannot_take_is_named_and_nothing_is_planned(example):
+    step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4))
+    with pytest.raises(al.TraceError, match=r"argument \[1\]\['tag'\]: a str \('train'\) is not an array, number or bool"):
+        step(example.state, {**example.batch, "tag": "train"})
+    assert step.current_plan is None
+
+
 def test_calling_with_other_shapes_plans_them_unless_the_plan_is_the_users(step_and_plan, example):
     """As ``jax.jit`` traces again: a plan the step made itself (``step.plan``, a first call) is re-made for
     other shapes (the last, smaller batch of an epoch), kept per shapes; a plan the user edited, pinned or
@@ -277,6 +284,7 @@ def test_alternating_shapes_compile_once_each_and_the_step_keeps_a_bounded_numbe
     again (the same compiled program comes back), and a step called with many shapes keeps the newest
     ``TRACES_KEPT`` of their traces, planner states and programs, not all of them."""
     from alpa_lab.api import TRACES_KEPT
+    from alpa_lab.graph.trace import args_signature
 
     for kw in ({"mesh_shape": (2, 2)}, {"microbatches": 2, "layers": 2}):
         step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), **kw)
@@ -293,11 +301,18 @@ def test_alternating_shapes_compile_once_each_and_the_step_keeps_a_bounded_numbe
             assert step.compiled(small.state, small.batch) is small_program, kw
         ref = [float(jax.jit(e.train_step)(*e.args)[1]) for e in (example, small)]
         np.testing.assert_allclose([float(loss), float(small_loss)], ref, rtol=2e-4, atol=2e-5)
-    step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), mesh_shape=(2, 2))
-    for batch in range(4, 4 + 2 * (TRACES_KEPT + 3), 2):
-        step(*make_mlp(dataclasses.replace(CFG, batch=batch)).args)
-    assert len(step._graphs) == len(step._compiled) == TRACES_KEPT and len(step._own_plans) <= TRACES_KEPT
-    assert step.trace(*make_mlp(dataclasses.replace(CFG, batch=4)).args) is not None  # the oldest is traced again
+    for kw in ({"mesh_shape": (2, 2)}, {"microbatches": 2, "layers": 2}):
+        step = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), **kw)
+        first = make_mlp(dataclasses.replace(CFG, batch=4))
+        for batch in range(4, 4 + 4 * (TRACES_KEPT + 2), 4):
+            step(*make_mlp(dataclasses.replace(CFG, batch=batch)).args)
+        assert len(step._graphs) == len(step._compiled) == TRACES_KEPT and len(step._own_plans) == TRACES_KEPT
+        assert len(step._splits) <= TRACES_KEPT and len(step._problems) <= TRACES_KEPT
+        oldest = args_signature(first.args)
+        assert oldest not in step._graphs  # the least recently used shapes went first
+        _, loss = step(*first.args)  # and come back: traced, planned and compiled again
+        assert oldest in step._graphs and len(step._graphs) == TRACES_KEPT
+        np.testing.assert_allclose(float(loss), float(jax.jit(first.train_step)(*first.args)[1]), rtol=2e-4, atol=2e-5)
 
 
 def test_pins_survive_saving_and_retracing(step_and_plan, tmp_path, example):

@@ -6,10 +6,10 @@ one at ``address``. The oracle for the numbers is the same plan run in this proc
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import alpa_lab as al
@@ -21,8 +21,16 @@ pytestmark = pytest.mark.timeout(600)
 ray = pytest.importorskip("ray")
 
 
-def ray_processes() -> list[str]:
-    return subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout.split()
+def ray_processes() -> list[int]:
+    """Ray's raylet and GCS processes that this test process started (another Ray on the machine is not ours)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any(name in " ".join(p.cmdline()) for name in ("raylet", "gcs_server")):
+                found.append(p.pid)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
 
 
 def wait_for_no_ray_processes(timeout: float = 20.0) -> list[str]:
@@ -62,6 +70,7 @@ def test_launching_a_plan_starts_a_local_ray_of_its_shape_and_closing_the_run_st
     edited = plan.with_schedule("gpipe")
     with step.launch(edited, ex.state) as run:
         assert run.owns_cluster and run.cluster.started_here
+        assert ray_processes(), "the check below could not see the Ray this run started"
         assert (run.cluster.hosts, run.cluster.devices_per_host) == (2, 4)
         assert step.current_plan is run.plan and run.plan.schedule == "gpipe"  # the plan launched became current
         assert len(run.workers) == 2
@@ -107,4 +116,23 @@ def test_bad_launches_say_what_to_pass_and_start_nothing(planned):
     with pytest.raises(al.LaunchError, match="no plan yet"):
         fresh.launch(state=ex.state)
     assert step.current_plan is plan
-    assert not ray.is_initialized() and not ray_processes()
+    assert not ray.is_initialized() and not wait_for_no_ray_processes()
+
+
+def test_a_launch_that_fails_after_starting_ray_stops_it_and_keeps_the_current_plan(planned):
+    ex, step, plan, *_ = planned
+    step.use(plan)
+    with pytest.raises(al.TraceError, match=r"argument \[0\]\['not'\]: a str .* is not an array"):
+        step.launch(plan.with_schedule("gpipe"), {"not": "the state"})
+    assert step.current_plan is plan
+    assert not ray.is_initialized() and not wait_for_no_ray_processes(), "the Ray started for the launch was left running"
+    with RayCluster.local(2, 4) as mine:
+        with pytest.raises(ValueError, match="not both"):
+            step.launch(mine, ex.state, address="auto")
+    step.on_ray(mine)  # shut down since: said, not replaced by a new Ray
+    try:
+        with pytest.raises(al.LaunchError, match=r"step's Ray cluster \(on_ray\) was shut down"):
+            step.launch(plan, ex.state)
+    finally:
+        step.on_ray(None)
+    assert step.current_plan is plan and not ray.is_initialized()

@@ -309,7 +309,13 @@ def leaf_aval(x: Any, shape: Sequence[int] | None = None) -> jax.ShapeDtypeStruc
     """An argument leaf's shape and dtype as ``jax.jit`` sees them (``shape`` in place of its own):
     an array's dtype, canonical (float64 -> float32 unless x64 is on), and a Python scalar's
     (a flax ``TrainState``'s ``step=0``, a learning rate) as JAX types it, int32/float32/bool."""
-    dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+    try:
+        dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+    except TypeError as e:  # what jax.jit refuses too: say which leaf, in our words
+        raise TraceError(
+            f"a {type(x).__name__} ({repr(x)[:60]}) is not an array, number or bool, so JAX cannot take it as a "
+            "step argument: close over it in the step, or keep it out of the arguments' pytree"
+        ) from e
     shape = tuple(np.shape(x)) if shape is None else tuple(shape)
     # weak, as jit makes a Python scalar: ``params - lr * grads`` keeps a bfloat16 model bfloat16
     weak = bool(getattr(x, "weak_type", not hasattr(x, "dtype")))
@@ -320,7 +326,15 @@ def args_signature(args: Any) -> Any:
     """The arguments' tree structure and each leaf's shape and dtype: what a trace depends on, so a
     cache key for traced programs (``ParallelizedStep``, ``Plan.jit``, a training run's program)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    avals = [leaf_aval(x) for x in leaves]
+    try:
+        avals = [leaf_aval(x) for x in leaves]
+    except TraceError as e:  # name the argument it is
+        for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+            try:
+                leaf_aval(x)
+            except TraceError:
+                raise TraceError(f"argument {_path_str(path)}: {e}") from e.__cause__
+        raise
     return tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals)
 
 

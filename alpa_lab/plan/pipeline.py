@@ -190,6 +190,15 @@ class PipelinePlan:
         """Every strategy of ``op`` with its cost, the rest of its stage held as planned (``Plan.explain``)."""
         return self.stages[self.stage_of(op)].plan.explain(op)
 
+    def jit(self, fn: Any, devices: Sequence[Any] | None = None) -> Any:
+        """Not for a pipeline plan: its stages run on different sub-meshes, one program per stage and
+        micro-batch, which one ``jax.jit`` cannot express (``Plan.jit`` is for single-mesh plans)."""
+        raise PlanFormatError(
+            f"a pipeline plan ({self.num_stages} stages on sub-meshes, {self.num_microbatches} micro-batches) is not one "
+            "jax.jit program: run it with parallelize(fn, cluster=..., microbatches=...) and step.use(plan), or take "
+            "its shardings with plan.shardings(*args); Plan.jit is for single-mesh plans"
+        )
+
     def summary(self) -> str:
         lines = [
             f"Pipeline plan ({self.method}) for program {self.fingerprint} on {self.cluster.get('name', '?')}: "
