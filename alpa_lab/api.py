@@ -18,6 +18,7 @@ import numpy as np
 
 from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec
+from alpa_lab.graph.analysis import batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, trace
@@ -187,7 +188,10 @@ class ParallelizedStep:
             graph, split = self._graphs.get(key), self._splits.get(key)
         if graph is None:
             if self.pipelined:
-                graph, split = trace_microbatched(self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat)
+                graph, split = trace_microbatched(
+                    self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
+                    layers_asked=self.layers is not None,
+                )
             else:
                 graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
         with self._cache_lock:
@@ -418,19 +422,29 @@ class ParallelizedStep:
         others = out if isinstance(out, tuple) and len(out) != 1 else (out,)
         return (self._ray_state, *others)
 
-    def __call__(self, *args: Any) -> Any:
-        graph = None
+    def _own_plan_for(self, args: tuple, *, plan_new: bool) -> OpGraph | None:
+        """If the current plan is one the step made itself (unedited) and ``args`` have other shapes, make the
+        step's own plan for those shapes current: the one it keeps, or (``plan_new``) a new one, as ``jax.jit``
+        traces again. A plan the user edited, pinned or loaded stays. Returns ``args``' graph if traced."""
         plan = self.current_plan
-        if plan is not None and self._own_plans.get(plan.fingerprint) is plan:
-            graph = self.trace(*args)
-            if graph.fingerprint != plan.fingerprint:
-                # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
-                # jax.jit traces again (only a call does: a launch or a run of other shapes is refused, as it runs the plan)
-                with self._cache_lock:
-                    kept = self._own_plans.get(graph.fingerprint)
-                    if kept is not None:
-                        _keep(self._own_plans, graph.fingerprint, kept, OWN_PLANS_KEPT)  # used: the last to go
-                self.current_plan = kept or self.plan(*args)
+        if plan is None or self._own_plans.get(plan.fingerprint) is not plan:
+            return None
+        graph = self.trace(*args)
+        if graph.fingerprint != plan.fingerprint:
+            with self._cache_lock:
+                kept = self._own_plans.get(graph.fingerprint)
+                if kept is not None:
+                    _keep(self._own_plans, graph.fingerprint, kept, OWN_PLANS_KEPT)  # used: the last to go
+            if kept is not None:
+                self.current_plan = kept
+            elif plan_new:
+                self.current_plan = self.plan(*args)
+        return graph
+
+    def __call__(self, *args: Any) -> Any:
+        # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
+        # jax.jit traces again (only a call plans anew: a launch or a run takes a kept plan for its shapes, or fails)
+        graph = self._own_plan_for(args, plan_new=True)
         if self.ray_cluster is not None:
             return self._call_on_ray(args)
         return call_compiled(self.compiled(*args), graph if graph is not None else self.trace(*args), args)
@@ -458,7 +472,9 @@ class ParallelizedStep:
         ``run.state()`` fetches the state. ``example``: the step's other arguments (shapes only) if
         the plan was not made with them. The driver keeps a copy every ``keep_state_every`` steps
         (``run.last_state``), to launch again from if a worker dies; by default every step for
-        states up to 256 MiB, every 100 steps for bigger ones.
+        states up to 256 MiB, every 100 steps for bigger ones. ``step_timeout``: seconds a step (and a
+        fetch of the state) may take before the run is closed with a ``MeshWorkerError`` naming the
+        workers still busy; the first step, which compiles the programs on the workers, is not timed.
         """
         from alpa_lab.runtime.ray_cluster import RayCluster
         from alpa_lab.runtime.ray_run import LaunchError, launch
@@ -477,6 +493,8 @@ class ParallelizedStep:
         if isinstance(cluster, RayCluster):
             if address is not None:
                 raise ValueError("give a RayCluster or an address to launch on, not both")
+            if example:  # the step's own plan for these shapes, if it keeps one (the full batch after a smaller one)
+                self._own_plan_for((state, *example), plan_new=False)
             return launch(self, cluster, state, *example, **options)
         if cluster is not None and not isinstance(cluster, (Plan, PipelinePlan)):
             raise TypeError(
@@ -491,6 +509,8 @@ class ParallelizedStep:
         previous = self.current_plan
         if cluster is not None:
             self.use(cluster)
+        elif example:  # the step's own plan for these shapes, if it keeps one (the full batch after a smaller one)
+            self._own_plan_for((state, *example), plan_new=False)
         plan = self.current_plan
         if plan is None:
             raise LaunchError("the step has no plan yet: call step.plan(state, batch) first, or launch a plan")
@@ -523,6 +543,11 @@ class ParallelizedStep:
 
         if self.current_plan is None:
             raise ValueError("this step has no plan yet: call step.plan(state, batch) first")
+        if isinstance(batches, (list, tuple, Mapping)) or hasattr(batches, "shape"):  # its first batch, unconsumed
+            from alpa_lab.runtime.training import batch_stream
+
+            num_args = len(getattr(self, "_last_args", None) or (None, None)) - 1
+            self._own_plan_for((state, *batch_stream(batches, max(num_args, 1))(0)), plan_new=False)
         return TrainingRun(self, state, batches, steps=steps, **options)
 
     def recalibrate(self, profile: Any, *args: Any) -> Plan | PipelinePlan:
@@ -564,7 +589,7 @@ class ParallelizedStep:
 
 
 def trace_microbatched(
-    fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False
+    fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False, layers_asked: bool = True
 ) -> tuple[OpGraph, tuple[bool, ...]]:
     """``fn`` traced on one micro-batch and cut into ``layers`` layers (each under ``jax.checkpoint``
     with ``remat``), and which flat leaves were split.
@@ -583,23 +608,64 @@ def trace_microbatched(
             for (_, x), s in zip(flat, guess)
         ]
         try:
-            with auto_layers(layers, remat=remat):
+            with auto_layers(layers, remat=remat, asked=layers_asked):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
         except TraceError:
             graph = None  # the guess made shapes the step cannot take: ask the full-batch trace
-        if graph is not None:
-            returned = {p: (tuple(graph.vars[v].shape), str(graph.vars[v].dtype)) for p, v in zip(graph.out_paths, graph.outvars)}
-            data = [
-                i for i, ((p, x), m) in enumerate(zip(flat, micro))
-                if returned.get(_path_str(p)) != (tuple(m.shape), str(m.dtype)) and np.ndim(x) >= 1
-            ]
-            if data:
-                batch = max(np.shape(flat[i][1])[0] for i in data)
-                if tuple(i in data and np.shape(x)[0] == batch for i, (_, x) in enumerate(flat)) == guess:
-                    return graph, guess
+        if graph is not None:  # the rule on the micro-batch's trace: its batch leaves, scaled back up
+            results = [(p, tuple(graph.vars[v].shape), str(graph.vars[v].dtype)) for p, v in zip(graph.out_paths, graph.outvars)]
+            leaves = [(_path_str(p), tuple(m.shape), str(m.dtype)) for (p, _), m in zip(flat, micro)]
+            split = _batch_leaves(leaves, results, [tuple(np.shape(x)) for _, x in flat])
+            if split is not None and split == guess:
+                _refuse_per_example_results(fn, args, graph, guess, num_microbatches)
+                return graph, guess
     micro_args, split = microbatch_args(fn, args, num_microbatches)
-    with auto_layers(layers, remat=remat):
-        return trace(fn, *micro_args), split
+    with auto_layers(layers, remat=remat, asked=layers_asked):
+        graph = trace(fn, *micro_args)
+    _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+    return graph, split
+
+
+def _refuse_per_example_results(fn: Callable, args: tuple, graph: OpGraph, split: tuple[bool, ...], num_microbatches: int) -> None:
+    """Raise if a result other than the state is per example (it has the batch's rows): a pipelined step
+    returns one value per result and step (a float's average over the micro-batches, an integer's last
+    value), so it would come back with a micro-batch's rows, not the batch's. Only a result leading with a
+    micro-batch's row count is checked, against the full batch's trace (``jax.eval_shape``, then only)."""
+    flat = jax.tree_util.tree_leaves(args)
+    rows = next((np.shape(x)[0] // num_microbatches for x, s in zip(flat, split) if s), None)
+    state = find_aliases(graph)
+    suspects = [  # an argument returned as it came in is returned whole (``runtime.pipeline``): not one
+        pos for pos, v in enumerate(graph.outvars)
+        if pos not in state and graph.vars[v].kind != "input" and graph.vars[v].shape and graph.vars[v].shape[0] == rows
+    ]
+    if not suspects:
+        return
+    full = {_path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]}
+    for pos in suspects:
+        path, shape = graph.out_paths[pos], tuple(graph.vars[graph.outvars[pos]].shape)
+        if full.get(path, shape) != shape:
+            raise TraceError(
+                f"{getattr(fn, '__name__', 'the step')} returns {path} per example ({full[path]} for the batch, {shape} for "
+                f"one of its {num_microbatches} micro-batches): a pipelined step returns one value per result and step "
+                "besides the state (a float's average over the micro-batches, an integer's last value); return a "
+                "reduction of it (a mean), or plan the step without microbatches"
+            )
+
+
+def _batch_leaves(
+    args: list[tuple[str, tuple[int, ...], str]], results: list[tuple[str, tuple[int, ...], str]],
+    shapes: list[tuple[int, ...]] | None = None,
+) -> tuple[bool, ...] | None:
+    """Which argument leaves are the batch: not returned in place (``state_aliases``: the train state),
+    with a dimension, and leading with the batch size (``batch_dimension``, of the full batch's ``shapes``
+    when ``args`` are a micro-batch's); None if there are none."""
+    shapes = shapes or [shape for _, shape, _ in args]
+    state = set(state_aliases(args, results).values())
+    data = [i for i, shape in enumerate(shapes) if i not in state and len(shape) >= 1]
+    batch = batch_dimension([shapes[i] for i in data])
+    if batch is None:
+        return None
+    return tuple(i in data and shapes[i][0] == batch for i in range(len(args)))
 
 
 def _guess_split(args: tuple, num_microbatches: int) -> tuple[bool, ...] | None:
@@ -623,8 +689,10 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
     """``args`` as one micro-batch (ShapeDtypeStructs), and which flat leaves were split.
 
     The batch is every argument leaf that the step does not return in place (not train
-    state) whose leading dimension is the batch size (the largest such dimension); other
-    data (a scalar learning rate, a key) is passed whole to every micro-batch.
+    state, ``state_aliases``: ``return state, loss`` or ``return loss, state``) whose leading
+    dimension is the batch size (the one most such leaves share, ``batch_dimension``); other
+    data (a scalar learning rate, a raw key, per-class weights) is passed whole to every
+    micro-batch. ``plan.split_inputs`` lists what was split.
     """
     flat, tree = jax.tree_util.tree_flatten_with_path(args)
     try:
@@ -633,19 +701,12 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: {type(exc).__name__}: {exc}"
         ) from exc
-    state = {
-        _path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
-    }
-    data = [
-        i
-        for i, (p, x) in enumerate(flat)
-        if state.get(_path_str(p)) != (tuple(np.shape(x)), str(leaf_aval(x).dtype))
-        and getattr(x, "ndim", 0) >= 1
-    ]
-    if not data:
+    results = [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
+    split = _batch_leaves([(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat], results)
+    if split is None:
         raise ValueError("the step has no batch to split into micro-batches: every argument is returned as state")
-    batch = max(flat[i][1].shape[0] for i in data)
-    split = tuple(i in data and x.shape[0] == batch for i, (_, x) in enumerate(flat))
+    batch = next(x.shape[0] for (_, x), s in zip(flat, split) if s)
+    data = [i for i, s in enumerate(split) if s]
     if batch % num_microbatches:
         raise ValueError(
             f"microbatches={num_microbatches} does not divide the batch size {batch} "

@@ -226,3 +226,16 @@ def test_parallelize_runs_marked_step_sharded():
     for u, v in zip(la, lb):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-4, atol=2e-5)
     assert math.isfinite(float(got[1]))
+
+
+def test_more_layers_than_the_program_has_room_for_cuts_it_into_as_many_as_it_can_and_says_so():
+    """``layers=`` beyond the loss function's op count cut nothing before (one layer, one stage, silently)."""
+    from alpa_lab.models import tiny_example
+
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=4, layers=10_000)
+    with pytest.warns(UserWarning, match=r"layers=10000 is more than the loss function can be cut into \((\d+) pieces"):
+        plan = step.plan(*ex.args)
+    assert plan.num_layers > 4 and plan.num_stages >= 2
+    state, loss = step(*ex.args)
+    np.testing.assert_allclose(float(loss), float(jax.jit(ex.train_step)(*ex.args)[1]), rtol=1e-4)

@@ -268,7 +268,12 @@ def test_calling_with_other_shapes_plans_them_unless_the_plan_is_the_users(step_
     assert step.current_plan is plan
     step(small.state, small.batch)
     assert step.current_plan is smaller
-    run = step.train(*example.args, steps=1).wait(120)  # a run runs the current plan: other shapes fail it, none re-planned
+    # a run takes the step's kept plan for its shapes (the full batch after the smaller one), plans none anew
+    run = step.train(*example.args, steps=1).wait(120)
+    assert run.status == "finished" and step.current_plan is plan and run.plan is plan
+    step(small.state, small.batch)
+    other_batch = make_mlp(dataclasses.replace(CFG, batch=CFG.batch // 4))  # shapes never called: no plan kept
+    run = step.train(other_batch.state, other_batch.batch, steps=1).wait(120)
     assert run.status == "failed" and "belongs to another program" in str(run.error) and step.current_plan is smaller
     edited = step.use(plan.pin(first_dot(plan).name, other_strategy(plan, first_dot(plan).name)))
     other = make_mlp(MLPConfig(batch=32, in_dim=32, hidden=64, layers=2, out_dim=16))

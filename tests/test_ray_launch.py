@@ -33,6 +33,19 @@ def ray_processes() -> list[int]:
     return found
 
 
+def listening_off_loopback() -> list[tuple[str, str]]:
+    """(process, address) of every socket this process's children listen on outside 127.0.0.1."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            for con in p.net_connections(kind="inet"):
+                if con.status == psutil.CONN_LISTEN and con.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1"):
+                    found.append((p.name(), f"{con.laddr.ip}:{con.laddr.port}"))
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
 def wait_for_no_ray_processes(timeout: float = 20.0) -> list[str]:
     deadline = time.time() + timeout
     while (left := ray_processes()) and time.time() < deadline:
@@ -71,6 +84,8 @@ def test_launching_a_plan_starts_a_local_ray_of_its_shape_and_closing_the_run_st
     with step.launch(edited, ex.state) as run:
         assert run.owns_cluster and run.cluster.started_here
         assert ray_processes(), "the check below could not see the Ray this run started"
+        assert run.cluster.address.startswith("127.0.0.1:")
+        assert not listening_off_loopback(), "a process of the local Ray listens beyond 127.0.0.1"
         assert (run.cluster.hosts, run.cluster.devices_per_host) == (2, 4)
         assert step.current_plan is run.plan and run.plan.schedule == "gpipe"  # the plan launched became current
         assert len(run.workers) == 2
@@ -136,3 +151,16 @@ def test_a_launch_that_fails_after_starting_ray_stops_it_and_keeps_the_current_p
     finally:
         step.on_ray(None)
     assert step.current_plan is plan and not ray.is_initialized()
+
+
+def test_step_timeout_spares_the_first_step_and_closes_a_run_whose_later_step_takes_too_long(planned):
+    """The first step compiles the programs on the workers (seconds for a tiny model): ``step_timeout`` is
+    for the steps after it. A later step slower than it closes the run and names the workers still busy."""
+    ex, step, plan, losses, _ = planned
+    step.use(plan)
+    with step.launch(plan, ex.state, step_timeout=1e-3, keep_state_every=100) as run:  # no timed state copies
+        assert float(run.step(ex.batch)) == pytest.approx(losses[0], rel=1e-5)  # compiled there, not timed out
+        with pytest.raises(al.MeshWorkerError, match=r"step 1 did not finish within step_timeout=0\.001 s; still waiting on"):
+            run.step(ex.batch)
+        assert run.closed and run.last_state is not None
+    assert not ray.is_initialized() and not wait_for_no_ray_processes()

@@ -335,6 +335,7 @@ def test_calibration_of_the_ray_cluster_and_of_this_process_are_kept_apart(clust
     from alpa_lab.cost.calibrate import calibration_path, load_calibration
 
     monkeypatch.setenv("ALPA_LAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(cluster, "spec", cluster.spec)  # calibrate() replaces it: the module's other tests keep theirs
     ray_spec = cluster.calibrate(repeats=2, sizes=(64 * 1024, 1 << 20))
     ray_file = calibration_path("cpu", HOSTS, PER_HOST, "ray")
     assert ray_file.is_file()

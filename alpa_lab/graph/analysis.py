@@ -2,21 +2,84 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from alpa_lab.graph.opgraph import OpGraph
+
+Leaf = tuple[str, tuple[int, ...], str]
+"""An argument or result leaf as the rules below see it: (tree path, shape, dtype name)."""
+
+
+def _top(path: str) -> tuple[str, str]:
+    """(``[i]``, the rest) for a path into a tuple of arguments or results; ("", path) for a single result."""
+    m = re.match(r"\[\d+\]", path)
+    return (m.group(0), path[m.end():]) if m else ("", path)
+
+
+def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, int]:
+    """Result leaf -> argument leaf it replaces (the train state), by position in each list.
+
+    A result replaces an argument at the same tree path with the same shape and dtype
+    (``return state, loss`` for ``step(state, batch)``). An argument none of whose leaves is
+    so returned is also state when one whole result has exactly its leaves below it (the same
+    paths under it, shapes and dtypes): ``return loss, state`` and ``return state`` alone. That
+    second rule only applies when the first found no state at all, and only to arguments of
+    several leaves, so a batch returned changed (an autoencoder's reconstruction) stays the batch.
+    """
+    by_path = {path: i for i, (path, _, _) in enumerate(args)}
+    aliases = {}
+    for j, (path, shape, dtype) in enumerate(results):
+        i = by_path.get(path)
+        if i is not None and args[i][1:] == (shape, dtype):
+            aliases[j] = i
+    groups_in: dict[str, list[int]] = {}
+    for i, (path, _, _) in enumerate(args):
+        groups_in.setdefault(_top(path)[0], []).append(i)
+    groups_out: dict[str, list[int]] = {}
+    for j, (path, _, _) in enumerate(results):
+        groups_out.setdefault(_top(path)[0], []).append(j)
+    if aliases:
+        return aliases
+    used: set[str] = set()
+    for top_in, members in groups_in.items():
+        if not top_in or len(members) < 2:
+            continue
+        leaves = sorted((_top(args[i][0])[1], args[i][1], args[i][2], i) for i in members)
+        for top_out, outs in groups_out.items():
+            if top_out in used or len(outs) != len(members):
+                continue
+            mine = sorted((_top(results[j][0])[1], results[j][1], results[j][2], j) for j in outs)
+            if [leaf[:3] for leaf in leaves] == [leaf[:3] for leaf in mine]:
+                aliases.update({j: i for (*_, i), (*_, j) in zip(leaves, mine)})
+                used.add(top_out)
+                break
+    return aliases
+
+
+def batch_dimension(shapes: Sequence[tuple[int, ...]]) -> int | None:
+    """The batch size among data leaves' shapes: the leading dimension the most of them share (ties:
+    the one whose leaves have more dimensions, then the first seen), as a batch's arrays share it and a
+    class-weight vector or a raw PRNG key beside them does not; None if no leaf has a dimension."""
+    score: dict[int, tuple[int, int, int]] = {}
+    for order, shape in enumerate(shapes):
+        if len(shape) >= 1:
+            count, dims, first = score.get(shape[0], (0, 0, order))
+            score[shape[0]] = (count + 1, dims + len(shape), first)
+    if not score:
+        return None
+    return max(score, key=lambda d: (score[d][0], score[d][1], -score[d][2]))
 
 
 def find_aliases(graph: OpGraph) -> dict[int, int]:
-    """Outputs that replace an argument: same tree path, shape and dtype (the train state)."""
-    by_path = {graph.in_paths[i]: vid for i, vid in enumerate(graph.invars)}
-    aliases = {}
-    for pos, (path, vid) in enumerate(zip(graph.out_paths, graph.outvars)):
-        in_var = by_path.get(path)
-        if in_var is None:
-            continue
-        a, b = graph.vars[in_var], graph.vars[vid]
-        if a.shape == b.shape and a.dtype == b.dtype:
-            aliases[pos] = in_var
-    return aliases
+    """Outputs that replace an argument (the train state): output position -> argument var (``state_aliases``)."""
+    def leaf(path: str, v: int) -> Leaf:
+        return path, tuple(graph.vars[v].shape), str(graph.vars[v].dtype)
+
+    pairs = state_aliases(
+        [leaf(p, v) for p, v in zip(graph.in_paths, graph.invars)], [leaf(p, v) for p, v in zip(graph.out_paths, graph.outvars)]
+    )
+    return {pos: graph.invars[i] for pos, i in pairs.items()}
 
 
 def classify_arguments(graph: OpGraph) -> dict[int, str]:

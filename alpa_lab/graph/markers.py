@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
+import warnings
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -60,6 +61,8 @@ _MAX_UNITS = 1500
 _AUTO_LAYERS: contextvars.ContextVar[int | None] = contextvars.ContextVar("alpa_lab_auto_layers", default=None)
 _REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_remat", default=False)
 """Whether ``value_and_grad`` runs each layer under ``jax.checkpoint`` (``auto_layers(..., remat=True)``)."""
+_LAYERS_ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_layers_asked", default=True)
+"""Whether the user asked for the layer count (``layers=``): then a count beyond the program's is cut down, said."""
 _CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("alpa_lab_boundary_calls", default=None)
 """Names of the argument-less ``mark_stage_boundary()`` calls made while ``trace`` watches."""
 _CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_cutting", default=False)
@@ -188,7 +191,7 @@ def _mark_gradients(grads: Any) -> Any:
 
 
 @contextlib.contextmanager
-def auto_layers(num_layers: int | None, remat: bool = False) -> Iterator[None]:
+def auto_layers(num_layers: int | None, remat: bool = False, asked: bool = True) -> Iterator[None]:
     """Within this block, ``value_and_grad`` cuts unmarked loss functions into layers.
 
     With ``remat`` every layer (automatic or hand-marked) also runs under ``jax.checkpoint``,
@@ -199,10 +202,11 @@ def auto_layers(num_layers: int | None, remat: bool = False) -> Iterator[None]:
         raise ValueError(f"the number of layers must be a positive integer, got {num_layers!r}")
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
-    token, remat_token = _AUTO_LAYERS.set(num_layers), _REMAT.set(remat)
+    token, remat_token, asked_token = _AUTO_LAYERS.set(num_layers), _REMAT.set(remat), _LAYERS_ASKED.set(asked)
     try:
         yield
     finally:
+        _LAYERS_ASKED.reset(asked_token)
         _REMAT.reset(remat_token)
         _AUTO_LAYERS.reset(token)
 
@@ -257,9 +261,9 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     if any(_is_boundary(op) for op in graph.ops):
         return fun
     K = len(graph.ops)
-    if num_layers < 2 or K < num_layers:
+    if num_layers < 2 or K < 2:
         return fun
-    starts = _unit_starts(graph, num_layers)
+    starts = _unit_starts(graph, min(num_layers, K))
     unit_of = np.searchsorted(np.asarray(starts), np.arange(K), side="right") - 1
     flops = np.zeros(len(starts))
     for op in graph.ops:
@@ -270,8 +274,17 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
         for v in op.inputs
         if graph.vars[v].producer is not None and unit_of[graph.vars[v].producer] != unit_of[op.index]
     ]
-    if len(starts) < num_layers:
-        return fun
+    if len(starts) < num_layers:  # more than the program has room for
+        if not _LAYERS_ASKED.get():  # the default count: a program this small stays one layer, as it always did
+            return fun
+        warnings.warn(  # asked for: as many as it has, said (not one, silently)
+            f"layers={num_layers} is more than the loss function can be cut into ({len(starts)} pieces of its {K} ops); "
+            f"cutting it into {len(starts)} layers",
+            stacklevel=4,
+        )
+        num_layers = len(starts)
+        if num_layers < 2:
+            return fun
     bounds = [(starts + [K])[b] for b in cluster_layers(flops, edges, num_layers).boundaries]
     last_use = last_uses(graph)
     cuts = {b: k for k, b in enumerate(bounds[1:-1], start=1)}

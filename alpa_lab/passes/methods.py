@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from alpa_lab.graph.analysis import batch_dimension
 from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, solve_strategy_graph
 from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
 from alpa_lab.sharding.resharding import resharding
@@ -110,6 +111,8 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
     mesh_shape = sg.mesh.shape
     all_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
     out: dict[str, tuple[str, ...]] = {}
+    # the batch: data leaves leading with the batch size; other data (a raw key, class weights) stays whole
+    batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "data"])
     for vid, kind in sg.argument_kinds.items():
         if vid not in sg.node_of_var:
             continue
@@ -122,7 +125,7 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
                 axes = (0,) if mesh_shape[0] > 1 else ()
             else:
                 axes = all_axes
-            if not shape or not axes:
+            if not shape or not axes or shape[0] != batch:
                 allowed = replicated
             else:
                 allowed = [s for s in specs if s.dims[0] == axes and not any(s.dims[1:])]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +32,29 @@ def _ray() -> Any:
     except ImportError as e:  # pragma: no cover - ray is a dependency; a broken install still gets a clear word
         raise RayClusterError("the Ray runtime needs Ray: pip install 'ray[default]>=2.9'") from e
     return ray
+
+
+_LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch for a cluster-less node: off, Ray takes 127.0.0.1 as the node's address and every process it
+starts (GCS, raylet, agents, workers) listens there; Ray otherwise replaces an asked-for 127.0.0.1 with the
+machine's routable address and listens on all interfaces. Read by Ray at import and per call, so it is set
+in both places, for the local Ray only (a connected cluster's nodes must reach each other)."""
+
+
+@contextmanager
+def _loopback_only(ray: Any) -> Iterator[None]:
+    """While a local Ray starts: its processes (which inherit the environment) and the driver bind to 127.0.0.1."""
+    constants = ray._private.ray_constants
+    before_env, before = os.environ.get(_LOOPBACK_ONLY), constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOOPBACK_ONLY], constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = before
+        if before_env is None:
+            os.environ.pop(_LOOPBACK_ONLY, None)
+        else:
+            os.environ[_LOOPBACK_ONLY] = before_env
 
 
 TRANSFER_SIZES = (64 * 1024, 1 << 20, 4 << 20, 16 << 20)
@@ -108,16 +133,17 @@ class RayCluster:
                 "it, or ray.shutdown() first to let RayCluster.local start its own"
             )
         t0 = time.perf_counter()
-        ctx = ray.init(
-            address="local",
-            num_cpus=max(2, hosts * devices_per_host),
-            **({"num_gpus": None} if platform == "gpu" else {"num_gpus": 0}),
-            include_dashboard=dashboard,
-            **({"dashboard_host": "127.0.0.1"} if dashboard else {}),
-            _node_ip_address="127.0.0.1",
-            log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")),
-            configure_logging=False,
-        )
+        with _loopback_only(ray):
+            ctx = ray.init(
+                address="local",
+                num_cpus=max(2, hosts * devices_per_host),
+                **({"num_gpus": None} if platform == "gpu" else {"num_gpus": 0}),
+                include_dashboard=dashboard,
+                **({"dashboard_host": "127.0.0.1"} if dashboard else {}),
+                _node_ip_address="127.0.0.1",
+                log_to_driver=bool(os.environ.get("ALPA_LAB_RAY_LOGS")),
+                configure_logging=False,
+            )
         address = ctx.address_info.get("gcs_address", "")
         if platform == "gpu":
             have = int(ray.cluster_resources().get("GPU", 0))
@@ -193,6 +219,7 @@ class RayCluster:
         fixed cost (``transfer_overhead``) is that latency plus an actor call's round trip.
         ``save``: a cluster started here keeps it for ``ClusterSpec.local(hosts, devices_per_host)`` and the
         next ``RayCluster.local`` of this shape (as the "ray" runtime's: an in-process calibration is kept apart).
+        The cluster's ``spec`` becomes the measured one, which is also returned.
         """
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -245,7 +272,8 @@ class RayCluster:
                 ray.kill(w, no_restart=True)
         if save and self.started_here:
             measured.save(calibration_path(measured.platform, self.hosts, self.devices_per_host, "ray"))
-        return measured.apply(self.spec)
+        self.spec = measured.apply(self.spec)  # what ``parallelize(..., cluster=cluster.spec)`` plans with from now on
+        return self.spec
 
     def shutdown(self) -> None:
         """Stop Ray if this object started it; a connected cluster is only disconnected from."""

@@ -135,7 +135,8 @@ class RayRun:
         for prog, actor in zip(self.programs, self.actors):
             mine = {v: refs[v] for v in batch_vars if v in prog.inputs}
             calls.append(actor.run_step.remote(self.steps_done, mine))
-        replies = self._gather(calls, f"step {self.steps_done}")
+        # the first step runs each worker's programs for the first time (XLA compiles them there): not timed out
+        replies = self._gather(calls, f"step {self.steps_done}", timed=self.steps_done > 0)
         self.last_step_seconds = time.perf_counter() - t0
         self.steps_done += 1
         state_seconds = 0.0
@@ -162,12 +163,13 @@ class RayRun:
     def __call__(self, *batch: Any) -> Any:
         return self.step(*batch)
 
-    def _gather(self, calls: list[Any], what: str) -> list[Any]:
-        """Wait for every worker's reply; the first failure closes the run and is raised by name."""
+    def _gather(self, calls: list[Any], what: str, timed: bool = True) -> list[Any]:
+        """Wait for every worker's reply; the first failure closes the run and is raised by name, and so is
+        waiting past ``step_timeout`` (when ``timed``)."""
         ray = _ray()
         pending = {c: i for i, c in enumerate(calls)}
         replies: list[Any] = [None] * len(calls)
-        deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
+        deadline = None if self.step_timeout is None or not timed else time.monotonic() + self.step_timeout
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
@@ -180,7 +182,7 @@ class RayRun:
                 waiting = ", ".join(self.workers[i].describe() for i in pending.values())
                 self.close()
                 raise MeshWorkerError(
-                    f"{what} did not finish within {self.step_timeout:.0f} s; still waiting on {waiting}; the run was closed"
+                    f"{what} did not finish within step_timeout={self.step_timeout:g} s; still waiting on {waiting}; the run was closed"
                 )
         return replies
 
@@ -497,7 +499,7 @@ def launch(
             _out_dtypes=tuple(graph.vars[o].dtype for o in graph.outvars),
             _rest_tree=rest_tree,
         )
-        run._gather(loads, "loading the programs")
+        run._gather(loads, "loading the programs", timed=False)  # launching has its own limits; step_timeout is for steps
         run.last_state = jax.tree_util.tree_unflatten(state_tree, host_state)
     except BaseException:  # whatever failed after the placement group was made: stop what started, free the group
         if run is not None:

@@ -1,0 +1,161 @@
+"""Which arguments are the train state and which are the batch, as a user's step lays them out.
+
+The oracle is ``jax.jit`` of the same step: a pipelined step cuts only the batch into micro-batches
+(its loss is a mean, so the micro-batches' average equals the full batch's), so a state or a side
+input taken for the batch gives other numbers. Tolerances: float32 sums in another order (rtol 1e-4).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import alpa_lab as al
+from alpa_lab.graph.analysis import batch_dimension, state_aliases
+
+LOCAL = al.ClusterSpec.local(2, 4)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.relu(nn.Dense(32)(x))
+        return nn.Dense(10)(x)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((32, 16), dtype=np.float32))
+    y = jnp.asarray(rng.integers(0, 10, 32), dtype=jnp.int32)
+    model = MLP()
+    state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x), tx=optax.sgd(0.1))
+    return state, x, y
+
+
+def loss_of(state, params, x, y, class_w):
+    logits = state.apply_fn(params, x)
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.mean(per_example * class_w[y])
+
+
+def assert_like_jit(step, fn, state, batch, steps: int = 2, loss_at: int = 1, state_at: int = 0):
+    a = b = state
+    for _ in range(steps):
+        out_a, out_b = step(a, batch), jax.jit(fn)(b, batch)
+        a, b = out_a[state_at], out_b[state_at]
+    np.testing.assert_allclose(float(out_a[loss_at]), float(out_b[loss_at]), rtol=1e-4)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)
+
+
+def test_per_class_weights_beside_the_batch_are_passed_whole_not_cut(setup):
+    """The batch is the leading dimension most data leaves share (x and y: 32), not the largest one
+    (100 class weights): cutting the weights and passing x whole gave other numbers, silently."""
+    state, x, y = setup
+    batch = {"x": x, "y": y, "class_w": jnp.linspace(0.5, 1.5, 100, dtype=jnp.float32)}
+
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(lambda p: loss_of(state, p, batch["x"], batch["y"], batch["class_w"]))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    step = al.parallelize(train_step, cluster=LOCAL, microbatches=4, layers=2)
+    plan = step.plan(state, batch)
+    assert plan.split_inputs == ("[1]['x']", "[1]['y']")
+    assert_like_jit(step, train_step, state, batch)
+
+
+def test_a_step_returning_loss_then_state_finds_its_state(setup):
+    """``return loss, state``: the state is found by its structure, not only by its position."""
+    state, x, y = setup
+    batch = {"x": x, "y": y}
+    ones = jnp.ones(10, jnp.float32)
+
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(lambda p: loss_of(state, p, batch["x"], batch["y"], ones))(state.params)
+        return loss, state.apply_gradients(grads=grads)
+
+    step = al.parallelize(train_step, cluster=LOCAL, microbatches=4, layers=2)
+    assert step.plan(state, batch).split_inputs == ("[1]['x']", "[1]['y']")
+    assert_like_jit(step, train_step, state, batch, loss_at=0, state_at=1)
+
+
+@pytest.mark.parametrize("method", ["data_parallel", "zero3"])
+def test_a_raw_prng_key_in_the_batch_is_not_split_by_data_parallel_methods(setup, method):
+    """A ``uint32[2]`` key beside the batch is data, but not the batch: replicated, not refused
+    ('cannot split the batch argument ... must divide by 8' before)."""
+    state, x, y = setup
+    batch = {"x": x, "y": y, "key": jax.random.PRNGKey(3)}
+
+    def train_step(state, batch):
+        noise = 0.01 * jax.random.normal(batch["key"], batch["x"].shape)
+        loss, grads = jax.value_and_grad(lambda p: loss_of(state, p, batch["x"] + noise, batch["y"], jnp.ones(10)))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    step = al.parallelize(train_step, cluster=LOCAL, method=method)
+    plan = step.plan(state, batch)
+    key = next(t for t in plan.inputs if t.path == "[1]['key']")
+    assert "S" not in key.spec
+    assert_like_jit(step, train_step, state, batch)
+
+
+def test_state_aliases_by_path_and_by_structure():
+    f32 = "float32"
+    args = [("[0]['w']", (4, 4), f32), ("[0]['b']", (4,), f32), ("[1]['x']", (8, 4), f32), ("[1]['y']", (8,), "int32")]
+    # return state, loss: by path
+    assert state_aliases(args, [("[0]['w']", (4, 4), f32), ("[0]['b']", (4,), f32), ("[1]", (), f32)]) == {0: 0, 1: 1}
+    # return loss, state: by structure, leaf by leaf
+    assert state_aliases(args, [("[0]", (), f32), ("[1]['b']", (4,), f32), ("[1]['w']", (4, 4), f32)]) == {1: 1, 2: 0}
+    # return state alone (not a tuple)
+    assert state_aliases(args, [("['b']", (4,), f32), ("['w']", (4, 4), f32)]) == {0: 1, 1: 0}
+    # a result like the batch in shape but under other names is not state
+    assert state_aliases(args, [("[0]", (), f32), ("[1]['pred']", (8, 4), f32), ("[1]['label']", (8,), "int32")]) == {}
+    # an autoencoder: the batch comes back changed, beside the state; it stays the batch
+    recon = [("[0]['w']", (4, 4), f32), ("[0]['b']", (4,), f32), ("[1]", (), f32), ("[2]", (8, 4), f32)]
+    assert state_aliases(args[:2] + [("[1]", (8, 4), f32)], recon) == {0: 0, 1: 1}
+    assert state_aliases(args[:2] + [("[1]", (8, 4), f32)], [("[0]", (), f32), ("[1]['b']", (4,), f32), ("[1]['w']", (4, 4), f32), ("[2]", (8, 4), f32)]) == {1: 1, 2: 0}
+    # a changed shape or dtype is not the same leaf
+    assert state_aliases(args, [("[0]['w']", (4, 4), "float16"), ("[0]['b']", (4,), f32)]) == {1: 1}
+
+
+def test_batch_dimension_is_what_most_data_leaves_lead_with():
+    assert batch_dimension([(32, 16), (32,), (100,)]) == 32  # x, y and per-class weights
+    assert batch_dimension([(32, 16), (100,)]) == 32  # a tie: the leaf with more dimensions
+    assert batch_dimension([(2,), (64, 128), (64,)]) == 64  # a raw key beside the batch
+    assert batch_dimension([(8,), (16,)]) == 8  # a full tie: the first
+    assert batch_dimension([(), ()]) is None
+
+
+def test_a_pipelined_step_refuses_per_example_results_and_averages_a_mean(setup):
+    """A result besides the state comes back once per step (the micro-batches' average): a mean equals
+    ``jax.jit``'s, a per-example result would come back with one micro-batch's rows, so it is refused."""
+    state, x, y = setup
+    batch = {"x": x, "y": y}
+    ones = jnp.ones(10, jnp.float32)
+
+    def make(per_example: bool):
+        def train_step(state, batch):
+            def loss_fn(p):
+                logits = state.apply_fn(p, batch["x"])
+                err = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]) * ones[batch["y"]]
+                return jnp.mean(err), (err if per_example else jnp.mean(jnp.max(logits, axis=-1)))
+
+            (loss, aux), grads = al.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return state.apply_gradients(grads=grads), loss, aux
+
+        return train_step
+
+    mean_step = make(False)
+    step = al.parallelize(mean_step, cluster=LOCAL, microbatches=4, layers=2)
+    (_, loss, aux), (_, ref_loss, ref_aux) = step(state, batch), jax.jit(mean_step)(state, batch)
+    np.testing.assert_allclose([float(loss), float(aux)], [float(ref_loss), float(ref_aux)], rtol=1e-4)
+    step = al.parallelize(make(True), cluster=LOCAL, microbatches=4, layers=2)
+    with pytest.raises(al.TraceError, match=r"returns \[2\] per example \(\(32,\) for the batch, \(8,\) for one of its 4"):
+        step.plan(state, batch)
+    assert step.current_plan is None
