@@ -119,7 +119,10 @@ def test_state_aliases_by_path_and_by_structure():
     # an autoencoder: the batch comes back changed, beside the state; it stays the batch
     recon = [("[0]['w']", (4, 4), f32), ("[0]['b']", (4,), f32), ("[1]", (), f32), ("[2]", (8, 4), f32)]
     assert state_aliases(args[:2] + [("[1]", (8, 4), f32)], recon) == {0: 0, 1: 1}
-    assert state_aliases(args[:2] + [("[1]", (8, 4), f32)], [("[0]", (), f32), ("[1]['b']", (4,), f32), ("[1]['w']", (4, 4), f32), ("[2]", (8, 4), f32)]) == {1: 1, 2: 0}
+    loss_first = [("[0]", (), f32), ("[1]['b']", (4,), f32), ("[1]['w']", (4, 4), f32), ("[2]", (8, 4), f32)]
+    assert state_aliases(args[:2] + [("[1]", (8, 4), f32)], loss_first) == {1: 1, 2: 0}
+    # a single array returned as the step's only result replaces the argument it matches
+    assert state_aliases([("[0]", (16, 8), f32), ("[1]", (16, 8), f32)], [("[]", (16, 8), f32)]) == {0: 0}
     # a changed shape or dtype is not the same leaf
     assert state_aliases(args, [("[0]['w']", (4, 4), "float16"), ("[0]['b']", (4,), f32)]) == {1: 1}
 

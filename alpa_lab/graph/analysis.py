@@ -14,7 +14,9 @@ Leaf = tuple[str, tuple[int, ...], str]
 def _top(path: str) -> tuple[str, str]:
     """(``[i]``, the rest) for a path into a tuple of arguments or results; ("", path) for a single result."""
     m = re.match(r"\[\d+\]", path)
-    return (m.group(0), path[m.end():]) if m else ("", path)
+    if m:
+        return m.group(0), path[m.end():]
+    return "", "" if path == "[]" else path  # "[]": the whole result, a single array
 
 
 def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, int]:
@@ -25,7 +27,8 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, in
     so returned is also state when one whole result has exactly its leaves below it (the same
     paths under it, shapes and dtypes): ``return loss, state`` and ``return state`` alone. That
     second rule only applies when the first found no state at all, and only to arguments of
-    several leaves, so a batch returned changed (an autoencoder's reconstruction) stays the batch.
+    several leaves (or returned as the step's only result), so a batch returned changed (an
+    autoencoder's reconstruction) stays the batch.
     """
     by_path = {path: i for i, (path, _, _) in enumerate(args)}
     aliases = {}
@@ -43,11 +46,11 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, in
         return aliases
     used: set[str] = set()
     for top_in, members in groups_in.items():
-        if not top_in or len(members) < 2:
+        if not top_in:
             continue
         leaves = sorted((_top(args[i][0])[1], args[i][1], args[i][2], i) for i in members)
         for top_out, outs in groups_out.items():
-            if top_out in used or len(outs) != len(members):
+            if top_out in used or len(outs) != len(members) or (len(members) < 2 and top_out):
                 continue
             mine = sorted((_top(results[j][0])[1], results[j][1], results[j][2], j) for j in outs)
             if [leaf[:3] for leaf in leaves] == [leaf[:3] for leaf in mine]:
