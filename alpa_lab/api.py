@@ -18,7 +18,7 @@ import numpy as np
 
 from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec
-from alpa_lab.graph.analysis import batch_dimension, find_aliases, state_aliases
+from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, trace
@@ -652,10 +652,7 @@ def _refuse_per_example_results(fn: Callable, args: tuple, graph: OpGraph, split
             )
 
 
-def _batch_leaves(
-    args: list[tuple[str, tuple[int, ...], str]], results: list[tuple[str, tuple[int, ...], str]],
-    shapes: list[tuple[int, ...]] | None = None,
-) -> tuple[bool, ...] | None:
+def _batch_leaves(args: list[Leaf], results: list[Leaf], shapes: list[tuple[int, ...]] | None = None) -> tuple[bool, ...] | None:
     """Which argument leaves are the batch: not returned in place (``state_aliases``: the train state),
     with a dimension, and leading with the batch size (``batch_dimension``, of the full batch's ``shapes``
     when ``args`` are a micro-batch's); None if there are none."""

@@ -36,14 +36,14 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, in
         i = by_path.get(path)
         if i is not None and args[i][1:] == (shape, dtype):
             aliases[j] = i
+    if aliases:
+        return aliases
     groups_in: dict[str, list[int]] = {}
     for i, (path, _, _) in enumerate(args):
         groups_in.setdefault(_top(path)[0], []).append(i)
     groups_out: dict[str, list[int]] = {}
     for j, (path, _, _) in enumerate(results):
         groups_out.setdefault(_top(path)[0], []).append(j)
-    if aliases:
-        return aliases
     used: set[str] = set()
     for top_in, members in groups_in.items():
         if not top_in:
