@@ -66,8 +66,10 @@ def plan_graph(
     memory_budget: float | None = None,
     pins: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
+    batch_vars: frozenset[int] | None = None,
 ) -> Plan:
-    """Plan ``graph`` on ``cluster``: the cheapest plan over the candidate mesh shapes."""
+    """Plan ``graph`` on ``cluster``: the cheapest plan over the candidate mesh shapes (``batch_vars``: the
+    arguments the data-parallel methods split, where the user named them)."""
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     shapes = [tuple(mesh_shape)] if mesh_shape is not None else cluster.logical_mesh_shapes()
@@ -79,7 +81,8 @@ def plan_graph(
         t0 = time.perf_counter()
         try:
             sg, solved = solve_tied(
-                lambda period, mesh=mesh: build_strategy_graph(graph, mesh, tie_period=period), method, pins, memory_budget=memory_budget
+                lambda period, mesh=mesh: dataclasses.replace(build_strategy_graph(graph, mesh, tie_period=period), batch_vars=batch_vars),
+                method, pins, memory_budget=memory_budget,
             )
         except MethodError as exc:
             errors.append(str(exc))
@@ -113,6 +116,7 @@ class ParallelizedStep:
         cost_model: str = "analytic",
         remat: bool = False,
         submesh_space: str = "all",
+        batch_argnums: int | tuple[int, ...] | None = None,
     ):
         if method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
@@ -150,6 +154,7 @@ class ParallelizedStep:
         self.layers = layers
         self.max_stages = max_stages
         self.submesh_space = submesh_space
+        self.batch_argnums = check_batch_argnums(batch_argnums)
         self.remat = remat
         self.fn = fn
         self.cluster = cluster if cluster is not None else ClusterSpec.default()
@@ -190,7 +195,7 @@ class ParallelizedStep:
             if self.pipelined:
                 graph, split = trace_microbatched(
                     self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
-                    layers_asked=self.layers is not None,
+                    layers_asked=self.layers is not None, batch_argnums=self.batch_argnums,
                 )
             else:
                 graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
@@ -201,6 +206,14 @@ class ParallelizedStep:
             for old in [k for k in self._splits if k not in self._graphs]:
                 del self._splits[old]
         return graph
+
+    def _batch_vars(self, args: tuple) -> frozenset[int] | None:
+        """The traced program's arguments that ``batch_argnums`` names (None: none named): a single-mesh plan's
+        data-parallel methods split these."""
+        if self.batch_argnums is None:
+            return None
+        graph = self.trace(*args)
+        return frozenset(v for v, s in zip(graph.invars, named_batch(args, self.batch_argnums)) if s)
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
@@ -275,6 +288,7 @@ class ParallelizedStep:
                 memory_budget=self.memory_budget,
                 pins=pins,
                 progress=progress,
+                batch_vars=self._batch_vars(args),
             )
         if not pins:
             with self._cache_lock:
@@ -577,7 +591,7 @@ class ParallelizedStep:
         graph = self.trace(*(args or tuple(self._last_args)))
         new = plan_graph(
             graph, cluster, mesh_shape=self.mesh_shape, method=plan.method, memory_budget=plan.memory_budget,
-            pins=dict(plan.pins) or None,
+            pins=dict(plan.pins) or None, batch_vars=self._batch_vars(args or tuple(self._last_args)),
         )
         self.cluster = cluster  # only once planned: a failed re-plan leaves the step as it was
         self.current_plan = new
@@ -589,10 +603,14 @@ class ParallelizedStep:
 
 
 def trace_microbatched(
-    fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False, layers_asked: bool = True
+    fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False, layers_asked: bool = True,
+    batch_argnums: tuple[int, ...] | None = None,
 ) -> tuple[OpGraph, tuple[bool, ...]]:
     """``fn`` traced on one micro-batch and cut into ``layers`` layers (each under ``jax.checkpoint``
     with ``remat``), and which flat leaves were split.
+
+    ``batch_argnums`` (as Alpa's): the arguments that are the batch, every array leaf of them cut along
+    its leading dimension; without it the batch is found by the rule below.
 
     Once, not twice, in the usual case: the batch is guessed from the arguments' shapes (the
     arguments whose array leaves share one leading dimension), the micro-batch traced, and the
@@ -601,6 +619,19 @@ def trace_microbatched(
     guess costs the full-batch trace ``microbatch_args`` does, then the trace again.
     """
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    if batch_argnums is not None:
+        named = named_leaves(args, batch_argnums)
+        try:
+            split = named_batch(args, batch_argnums, num_microbatches)
+        except ValueError:  # naming the state is the likelier mistake (its step counter has no batch dimension): say that
+            _refuse_named_state(fn, args, batch_argnums, named)
+            raise
+        micro = [leaf_aval(x, (x.shape[0] // num_microbatches, *x.shape[1:]) if s else None) for (_, x), s in zip(flat, split)]
+        with auto_layers(layers, remat=remat, asked=layers_asked):
+            graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+        _refuse_named_state(fn, args, batch_argnums, split, graph)
+        _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+        return graph, split
     guess = _guess_split(args, num_microbatches)
     if guess is not None:
         micro = [
@@ -624,6 +655,31 @@ def trace_microbatched(
         graph = trace(fn, *micro_args)
     _refuse_per_example_results(fn, args, graph, split, num_microbatches)
     return graph, split
+
+
+def _refuse_named_state(
+    fn: Callable, args: tuple, batch_argnums: tuple[int, ...], named: tuple[bool, ...], graph: OpGraph | None = None
+) -> None:
+    """Raise if ``batch_argnums`` names leaves the step returns in place (its state), found in ``graph`` (the
+    micro-batch's trace) or, without one, in the full arguments' ``jax.eval_shape``."""
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    if graph is not None:
+        state = {graph.invars.index(v) for v in find_aliases(graph).values()}
+    else:
+        try:
+            out = jax.eval_shape(fn, *args)
+        except Exception:  # the step cannot take these arguments at all: the caller's error says more
+            return
+        results = [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
+        leaves = [(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat]
+        state = set(state_aliases(leaves, results).values())
+    returned = [_path_str(p) for i, ((p, _), s) in enumerate(zip(flat, named)) if s and i in state]
+    if returned:
+        shown = ", ".join(returned[:3]) + (f" and {len(returned) - 3} more" if len(returned) > 3 else "")
+        raise ValueError(
+            f"batch_argnums={batch_argnums} names {shown}, which the step returns in place as its state: the batch "
+            "is what the step reads and does not return; name the batch's argument positions"
+        )
 
 
 def _refuse_per_example_results(fn: Callable, args: tuple, graph: OpGraph, split: tuple[bool, ...], num_microbatches: int) -> None:
@@ -663,6 +719,65 @@ def _batch_leaves(args: list[Leaf], results: list[Leaf], shapes: list[tuple[int,
     if batch is None:
         return None
     return tuple(i in data and shapes[i][0] == batch for i in range(len(args)))
+
+
+def check_batch_argnums(batch_argnums: Any) -> tuple[int, ...] | None:
+    """``batch_argnums`` (an int or a sequence of them, as Alpa's) as a tuple, or a ValueError saying what is wrong."""
+    if batch_argnums is None:
+        return None
+    nums = (batch_argnums,) if isinstance(batch_argnums, (int, np.integer)) and not isinstance(batch_argnums, bool) else batch_argnums
+    try:
+        nums = tuple(nums)
+    except TypeError:
+        nums = None
+    if not nums or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) for n in nums) or len(set(nums)) != len(nums):
+        raise ValueError(
+            f"batch_argnums must be an argument position or a sequence of distinct ones (e.g. 1 or (1,)), got {batch_argnums!r}"
+        )
+    return tuple(int(n) for n in nums)
+
+
+def named_leaves(args: tuple, batch_argnums: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which flat leaves of ``args`` belong to the arguments at ``batch_argnums`` (negative positions count from
+    the end, as Python's); a ValueError for a position the call does not have."""
+    positions = set()
+    for n in batch_argnums:
+        if not -len(args) <= n < len(args):
+            raise ValueError(
+                f"batch_argnums={batch_argnums} names argument {n}, but the step was called with {len(args)} argument(s)"
+            )
+        positions.add(n % len(args))
+    return tuple(getattr(p[0], "idx", None) in positions for p, _ in jax.tree_util.tree_flatten_with_path(args)[0])
+
+
+def named_batch(args: tuple, batch_argnums: tuple[int, ...], num_microbatches: int | None = None) -> tuple[bool, ...]:
+    """Which flat leaves of ``args`` are the batch ``batch_argnums`` names: every leaf of those arguments
+    (``named_leaves``). Each must have a leading dimension, the same for all, that ``num_microbatches``
+    divides; a ValueError names the leaf that does not."""
+    split = named_leaves(args, batch_argnums)
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    named = [(_path_str(p), tuple(np.shape(x))) for (p, x), s in zip(flat, split) if s]
+    if not named:
+        raise ValueError(f"batch_argnums={batch_argnums} names arguments without arrays: there is no batch to cut")
+    scalars = [p for p, shape in named if not shape]
+    if scalars:
+        raise ValueError(
+            f"batch_argnums={batch_argnums} names {', '.join(scalars)}, which has no leading (batch) dimension: "
+            "pass what every example shares (a learning rate, a key) as another argument"
+        )
+    sizes = {shape[0] for _, shape in named}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the batch batch_argnums={batch_argnums} names has leaves of different leading sizes: "
+            + ", ".join(f"{p} {shape}" for p, shape in named)
+        )
+    (batch,) = sizes
+    if num_microbatches is not None and batch % num_microbatches:
+        raise ValueError(
+            f"microbatches={num_microbatches} does not divide the batch size {batch} (leading dimension of "
+            f"{', '.join(p for p, _ in named)}); choose a divisor of {batch}"
+        )
+    return split
 
 
 def _guess_split(args: tuple, num_microbatches: int) -> tuple[bool, ...] | None:
@@ -731,6 +846,7 @@ def parallelize(
     cost_model: str = "analytic",
     remat: bool = False,
     submesh_space: str = "all",
+    batch_argnums: int | tuple[int, ...] | None = None,
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
     """Wrap a training step for planning and sharded execution (usable as a decorator).
 
@@ -743,6 +859,9 @@ def parallelize(
     layers' inputs per micro-batch in flight, and each backward pays for recomputing its forward.
     ``submesh_space="power_of_two"`` lets the stage DP try whole-host sub-meshes of 2, 4, 8, ... hosts
     only (Alpa's default; "all" tries every host count, as the paper): far faster on many hosts.
+    ``batch_argnums`` (as Alpa's, e.g. ``(1,)``): the arguments that are the batch, every leaf of them
+    cut into micro-batches and split by the data-parallel methods; by default the batch is the data
+    leaves that lead with the size most of them share (``plan.split_inputs`` shows what was cut).
     """
 
     def wrap(f: Callable) -> ParallelizedStep:
@@ -759,6 +878,7 @@ def parallelize(
             cost_model=cost_model,
             remat=remat,
             submesh_space=submesh_space,
+            batch_argnums=batch_argnums,
         )
 
     return wrap(fn) if fn is not None else wrap

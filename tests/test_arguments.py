@@ -162,3 +162,89 @@ def test_a_pipelined_step_refuses_per_example_results_and_averages_a_mean(setup)
     with pytest.raises(al.TraceError, match=r"returns \[2\] per example \(\(32,\) for the batch, \(8,\) for one of its 4"):
         step.plan(state, batch)
     assert step.current_plan is None
+
+
+def tables_step(state, batch, tables):
+    """A step with side tables that outnumber the batch's leaves (RoPE's sin and cos are such tables)."""
+    def loss_fn(p):
+        x = batch["x"] @ (tables["a"] * tables["b"]) + tables["c"][0]
+        return loss_of(state, p, x, batch["y"], jnp.ones(10, jnp.float32))
+
+    loss, grads = al.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.fixture(scope="module")
+def tables():
+    rng = np.random.default_rng(1)
+    return {k: jnp.asarray(rng.standard_normal((16, 16), dtype=np.float32) * 0.3) for k in "abc"}
+
+
+def test_batch_argnums_names_the_batch_where_side_tables_outnumber_it(setup, tables):
+    """Three (16, 16) tables beside a batch of two leaves of 32 rows: the rule takes 16 for the batch size;
+    ``batch_argnums=(1,)`` (Alpa's argument) cuts the batch and passes the tables whole, as jax.jit computes."""
+    state, x, y = setup
+    batch = {"x": x, "y": y}
+    step = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=(1,))
+    plan = step.plan(state, batch, tables)
+    assert plan.split_inputs == ("[1]['x']", "[1]['y']")
+    a = b = state
+    for _ in range(2):
+        (a, loss_a), (b, loss_b) = step(a, batch, tables), jax.jit(tables_step)(b, batch, tables)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-4)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)
+    # the same positions counted from the end, and an int for a single position, name the same batch
+    for nums in (1, -2):
+        again = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=nums)
+        assert again.plan(state, batch, tables).split_inputs == plan.split_inputs
+    # without it, the rule cuts the tables (they are most of the data leaves): what batch_argnums is for
+    ruled = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2)
+    try:
+        cut = ruled.plan(state, batch, tables).split_inputs
+    except (al.TraceError, ValueError):
+        cut = None  # the tables cut into micro-batches do not multiply x: refused
+    assert cut != plan.split_inputs
+
+
+@pytest.mark.parametrize("method", ["data_parallel", "zero2"])
+def test_batch_argnums_tells_data_parallel_methods_what_to_split(setup, tables, method):
+    """A single-mesh data-parallel plan splits the named batch over the devices and replicates the tables
+    (by the rule it would split the tables, the leaves most data shares a leading size with)."""
+    state, x, y = setup
+    batch = {"x": x, "y": y}
+    step = al.parallelize(tables_step, cluster=al.ClusterSpec.local(1, 4), method=method, batch_argnums=1)
+    plan = step.plan(state, batch, tables)
+    specs = {o.name: o.output_specs[0] for o in plan.ops if o.kind != "op"}
+    graph = step.trace(state, batch, tables)
+    spec_of = {p: specs[graph.vars[v].name] for p, v in zip(graph.in_paths, graph.invars) if graph.vars[v].name in specs}
+    assert spec_of["[1]['x']"].startswith("S") and spec_of["[1]['y']"].startswith("S"), spec_of
+    for k in "abc":
+        assert spec_of[f"[2]['{k}']"] == "RR", spec_of
+    out, loss = step(state, batch, tables)
+    _, want = jax.jit(tables_step)(state, batch, tables)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-4)
+
+
+def test_bad_batch_argnums_say_what_is_wrong(setup, tables):
+    state, x, y = setup
+    batch = {"x": x, "y": y}
+    for bad in ("1", (), (1, 1), True, (1.0,)):
+        with pytest.raises(ValueError, match="batch_argnums must be an argument position"):
+            al.parallelize(tables_step, microbatches=4, batch_argnums=bad)
+    cases = [
+        ((3,), r"names argument 3, but the step was called with 3 argument"),
+        ((0,), r"which the step returns in place as its state"),
+        ((1, 2), r"leaves of different leading sizes"),
+    ]
+    for nums, message in cases:
+        step = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=nums)
+        with pytest.raises(ValueError, match=message):
+            step.plan(state, batch, tables)
+    scalar = {"x": x, "y": y, "lr": jnp.float32(0.1)}
+    step = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=(1,))
+    with pytest.raises(ValueError, match=r"names \[1\]\['lr'\], which has no leading \(batch\) dimension"):
+        step.plan(state, scalar, tables)
+    step = al.parallelize(tables_step, cluster=LOCAL, microbatches=3, layers=2, batch_argnums=(1,))
+    with pytest.raises(ValueError, match="microbatches=3 does not divide the batch size 32"):
+        step.plan(state, batch, tables)

@@ -55,6 +55,19 @@ def test_magic_remat(ip):
         ip.run_cell_magic("parallelize", "--cluster local:1x4 --remat --args state,batch", CELL)
 
 
+def test_magic_batch_argnums(ip):
+    """``--batch-argnums 1``: the step's second argument is its batch (Alpa's ``batch_argnums``)."""
+    line = "--cluster local:1x4 --microbatches 4 --layers 3 --batch-argnums 1 --args state,batch --name b --no-display"
+    ip.run_cell_magic("parallelize", line, CELL)
+    step = ip.user_ns["train_step"]
+    assert step.batch_argnums == (1,)
+    assert ip.user_ns["b"].split_inputs and all(p.startswith("[1]") for p in ip.user_ns["b"].split_inputs)
+    with pytest.raises(UsageError, match="--batch-argnums takes argument positions"):
+        ip.run_cell_magic("parallelize", "--cluster local:1x4 --microbatches 4 --batch-argnums batch --args state,batch", CELL)
+    with pytest.raises(UsageError, match="names argument 2, but the step was called with 2"):
+        ip.run_cell_magic("parallelize", "--cluster local:1x4 --microbatches 4 --batch-argnums 2 --args state,batch", CELL)
+
+
 def test_magic_submesh_space(ip):
     """``--submesh-space power_of_two``: on 3 hosts the DP may not use a 3-host sub-mesh; a bad space is a usage error."""
     line = "--cluster local:3x1 --microbatches 4 --layers 3 --submesh-space power_of_two --args state,batch --name s --no-display"

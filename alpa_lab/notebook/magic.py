@@ -67,6 +67,8 @@ class ParallelizeMagics(Magics):
     @argument("--remat", action="store_true", help="recompute each pipeline layer in the backward (jax.checkpoint per layer): less memory")
     @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
     @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
+    @argument("--batch-argnums", default=None, help="comma-separated positions of the step's batch arguments, e.g. 1 "
+              "(default: the data leaves that share the batch size)")
     @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
     @argument("--name", default=None, help="bind the plan to this name (edits in the workbench re-bind it)")
     @argument("--workbench", default=None, help="bind the workbench to this name too")
@@ -110,6 +112,15 @@ class ParallelizeMagics(Magics):
                 raise UsageError(f"%%parallelize: --device-memory must be a positive number of GiB, got {opts.device_memory}")
             cluster = dataclasses.replace(cluster, device_memory=opts.device_memory * 2**30)
 
+        batch_argnums = None
+        if opts.batch_argnums is not None:
+            try:
+                batch_argnums = tuple(int(a) for a in opts.batch_argnums.split(","))
+            except ValueError:
+                raise UsageError(
+                    f"%%parallelize: --batch-argnums takes argument positions, e.g. 1 or 1,2; got {opts.batch_argnums!r}"
+                ) from None
+
         previous = ns.get(fn_name, _UNSET)
         result = self.shell.run_cell(cell, store_history=False, silent=True)
         if not result.success:  # the user's error has been shown with their own traceback
@@ -127,6 +138,7 @@ class ParallelizeMagics(Magics):
                 cost_model=opts.cost_model,
                 remat=opts.remat,
                 submesh_space=opts.submesh_space,
+                batch_argnums=batch_argnums,
             )
         except ValueError as err:  # bad option combinations: say which, and keep the old binding
             if previous is _UNSET:

@@ -107,6 +107,9 @@ class StrategyGraph:
     """groups the repeated-block tying merged (0: nothing repeats, the period changes nothing)"""
     merged_groups: np.ndarray | None = None
     """group_of_node before repeated-block tying (``retie`` ties it again at another period)"""
+    batch_vars: frozenset[int] | None = None
+    """the data arguments that are the batch, where the user named them (``batch_argnums``); None: the data
+    leaves leading with the batch size (``graph.analysis.batch_dimension``)"""
 
     def node_index(self, name: str) -> int:
         for i, n in enumerate(self.nodes):

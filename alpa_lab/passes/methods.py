@@ -125,7 +125,8 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
                 axes = (0,) if mesh_shape[0] > 1 else ()
             else:
                 axes = all_axes
-            if not shape or not axes or shape[0] != batch:
+            is_batch = vid in sg.batch_vars if sg.batch_vars is not None else bool(shape) and shape[0] == batch
+            if not shape or not axes or not is_batch:
                 allowed = replicated
             else:
                 allowed = [s for s in specs if s.dims[0] == axes and not any(s.dims[1:])]
