@@ -128,6 +128,8 @@ class ParallelizedStep:
             in_flight_rule(schedule, microbatches)  # a schedule the planner can plan, or a clear error
         if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
             raise ValueError(f"layers must be a positive integer, got {layers!r}")
+        if max_stages is not None and (isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1):
+            raise ValueError(f"max_stages must be a positive integer (or None: as many as the DP finds best), got {max_stages!r}")
         if microbatches is not None and (mesh_shape is not None or memory_budget is not None):
             raise ValueError(
                 "mesh_shape and memory_budget apply to single-mesh plans; a pipelined step chooses a logical "
@@ -304,6 +306,15 @@ class ParallelizedStep:
         Returns the plan made current (for a loaded plan: the one with its planner state,
         which is the one to edit). On any error the previous plan stays current.
         """
+        if not isinstance(plan, (Plan, PipelinePlan)):
+            raise TypeError(
+                f"use() takes a Plan or a PipelinePlan (al.Plan.load(path) reads a saved one), got {type(plan).__name__}"
+            )
+        if isinstance(plan, Plan) and self.pipelined:
+            raise PlanFormatError(
+                f"this step is pipelined (microbatches={self.microbatches}), so it runs pipeline plans; a single-mesh plan "
+                "runs on a step made without microbatches: parallelize(fn, cluster=...)"
+            )
         if isinstance(plan, PipelinePlan):
             if not self.pipelined:
                 raise PlanFormatError(
@@ -340,7 +351,7 @@ class ParallelizedStep:
             if plan.problem is None:
                 mesh = self.cluster.logical_mesh(plan.mesh_shape, plan.device_ids)
                 sg = build_strategy_graph(graph, mesh, tie_period=int(plan.solver.get("tie_period", 1)))
-                plan = dataclasses.replace(plan, problem=sg)
+                plan = dataclasses.replace(plan, problem=dataclasses.replace(sg, batch_vars=self._batch_vars(args)))
         self.current_plan = plan
         return plan
 

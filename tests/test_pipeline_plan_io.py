@@ -238,6 +238,20 @@ def test_a_plan_that_does_not_fit_the_step_is_refused_and_the_previous_plan_stay
     with pytest.raises(PlanFormatError, match="not pipelined"):
         single_mesh.use(loaded)
     assert single_mesh.current_plan is None
+    # a single-mesh plan on a pipelined step: refused at use(), not at the next call
+    single_plan = single_mesh.plan(*ex.args)
+    with pytest.raises(PlanFormatError, match=r"this step is pipelined \(microbatches=4\), so it runs pipeline plans"):
+        step.use(single_plan)
+    with pytest.raises(TypeError, match="use\\(\\) takes a Plan or a PipelinePlan .* got str"):
+        step.use(str(edited["path"]))
+    assert step.current_plan is previous
+    # diffs across kinds say so (AttributeError once)
+    with pytest.raises(PlanFormatError, match="cannot diff a pipeline plan with a Plan"):
+        previous.diff(single_plan)
+    with pytest.raises(PlanFormatError, match="cannot diff a single-mesh plan with a PipelinePlan"):
+        single_plan.diff(previous)
+    with pytest.raises(ValueError, match="max_stages must be a positive integer"):
+        pipelined(ex, max_stages=0)
     # made current without arguments, then called with another program: refused at the call
     fresh = pipelined(ex)
     fresh.use(loaded)

@@ -298,6 +298,11 @@ class PipelinePlan:
 
     def diff(self, other: PipelinePlan) -> str:
         """Changes from ``other`` (the older plan) to this one, as ``Plan.diff``: stages, then op strategies."""
+        if not isinstance(other, PipelinePlan):
+            raise PlanFormatError(
+                f"cannot diff a pipeline plan with a {type(other).__name__}: diff two pipeline plans of one step "
+                "(plan.diff(older_plan)); a single-mesh plan's diff is Plan.diff"
+            )
         lines = []
         if self._current_stages() != other._current_stages():
             for a, b in zip(other.stages, self.stages):

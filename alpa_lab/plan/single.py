@@ -321,6 +321,10 @@ class Plan:
 
     def diff(self, other: Plan) -> PlanDiff:
         """Changes from ``other`` (the older plan) to this one."""
+        if not isinstance(other, Plan):
+            raise PlanFormatError(
+                f"cannot diff a single-mesh plan with a {type(other).__name__}: diff two plans of one step (plan.diff(older_plan))"
+            )
         if other.fingerprint != self.fingerprint:
             raise PlanFormatError(
                 f"cannot diff plans of different programs ({other.fingerprint} vs {self.fingerprint})"

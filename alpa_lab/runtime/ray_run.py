@@ -49,6 +49,34 @@ class MeshWorkerError(RuntimeError):
         self.worker = worker
 
 
+def _check_room(ray: Any, bundles: list[dict[str, float]], wait: float = 5.0) -> None:
+    """Fail fast, saying why, where the mesh workers cannot be placed: the cluster has too few CPUs (GPUs) in all,
+    or another run holds them (its workers are freed by ``run.close()``; a run just closed frees them within
+    ``wait`` seconds). Otherwise the placement group is left to Ray (an autoscaler may still add nodes)."""
+    need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+    total = ray.cluster_resources()
+    short = {k: (n, total.get(k, 0)) for k, n in need.items() if n and total.get(k, 0) < n}
+    if short:
+        what = ", ".join(f"{n:g} {k} (it has {have:g})" for k, (n, have) in short.items())
+        raise LaunchError(
+            f"the plan needs {len(bundles)} mesh workers, {what} on this Ray cluster: plan for a cluster of its shape "
+            "(RayCluster.local(hosts, devices_per_host) starts one) or add nodes"
+        )
+    until = time.monotonic() + wait
+    while True:
+        free = ray.available_resources()
+        lacking = {k: (n, free.get(k, 0)) for k, n in need.items() if n and free.get(k, 0) < n}
+        if not lacking or time.monotonic() > until:
+            break
+        time.sleep(0.2)
+    if lacking:
+        what = ", ".join(f"{n:g} {k} ({have:g} of the cluster's {total.get(k, 0):g} free)" for k, (n, have) in lacking.items())
+        raise LaunchError(
+            f"the plan's {len(bundles)} mesh workers need {what}: another run holds the rest; close it (run.close()) "
+            "or let it finish, then launch again"
+        )
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """The driver's record of one mesh worker."""
@@ -111,6 +139,13 @@ class RayRun:
     _outvars: tuple[int, ...] = ()
     _out_dtypes: tuple[str, ...] = ()
     """the results' dtype names: a typed PRNG key comes back as its key data and is wrapped again"""
+
+    def __repr__(self) -> str:  # the dataclass's would print the plan and every worker program (~100 KB)
+        stages = len(getattr(self.plan, "stages", ())) or 1
+        where = getattr(self.cluster, "address", None) or "Ray"
+        state = "closed" if self.closed else "open"
+        return (f"RayRun({state}, {self.steps_done} step(s) done, {stages} stage(s) on {len(self.workers)} mesh worker(s) "
+                f"of {where})")
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self, *batch: Any) -> Any:
@@ -412,6 +447,7 @@ def launch(
         {"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.devices_on(h))} for _, pl, _, h in members
     ]
 
+    _check_room(ray, bundles)
     t2 = time.perf_counter()
     pg = ray.util.placement_group(bundles, strategy="PACK")
     actors: list[Any] = []
