@@ -17,6 +17,7 @@ from alpa_lab.passes.schedule import (
     Instruction,
     Schedule,
     ScheduleError,
+    WARMUP_SCHEDULES,
     check,
     eager_one_f_one_b,
     gpipe,
@@ -573,3 +574,37 @@ def test_a_backward_of_weight_gradients_only_simulates_split():
     assert stages[0].backward_time - w < 0 and stages[0].backward_input_time == 0.0
     timeline = simulated_timeline(problem, stages, "zb_h1", 4)
     assert timeline.makespan > 0
+
+
+@pytest.mark.parametrize("name", [*NAMES, "interleaved_1f1b", "zb_h1"])
+def test_schedules_check_at_the_sizes_the_planner_uses_them(name):
+    """The planner does not run ``check`` on the schedules it simulates (its program refuses a deadlock; the
+    full proof cost GPT-39B's plan 0.7 s): the generators are proved here at the paper's sizes instead, 32
+    stages (GPT-39B's plan; 8 meshes for the interleaved schedule) and 1,024 micro-batches (Table 6)."""
+    S, M = 32, 1024
+    sched = make_schedule(name, S, M, num_meshes=8 if name == "interleaved_1f1b" else None)
+    report = check(sched)
+    assert (report.num_stages, report.num_microbatches) == (S, M)
+    assert report.peak_in_flight == sched.program.peak_in_flight  # what plan_stages reads from the program
+
+
+@pytest.mark.parametrize("name", sorted(WARMUP_SCHEDULES))
+def test_warmup_makespan_equals_the_simulated_schedule(name):
+    """The planner's screening simulates each candidate's stage count without building its lists
+    (``warmup_makespan``): exactly ``simulate``'s makespan, on random stage and link times (links of 0 too,
+    where ties between a mesh's clock and an arrival decide), from 1 stage and 1 micro-batch up."""
+    import random
+
+    from alpa_lab.passes.schedule import warmup_makespan
+
+    rng = random.Random(3)
+    for S in range(1, 8):
+        for M in (1, 2, 3, 5, 8, 13):
+            for _ in range(3):
+                f = [rng.uniform(0.1, 3.0) for _ in range(S)]
+                b = [rng.uniform(0.1, 5.0) for _ in range(S)]
+                links = [rng.choice([0.0, rng.uniform(0.0, 2.0)]) for _ in range(S - 1)]
+                want = simulate(make_schedule(name, S, M), f, b, links, records=False).makespan
+                assert warmup_makespan(name, f, b, links, M) == want, (S, M, f, b, links)
+    f, b = [rng.uniform(1, 2) for _ in range(16)], [rng.uniform(2, 4) for _ in range(16)]
+    assert warmup_makespan(name, f, b, [0.05] * 15, 256) == simulate(make_schedule(name, 16, 256), f, b, 0.05, records=False).makespan
