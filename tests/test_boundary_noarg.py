@@ -33,6 +33,8 @@ def boundary(x: jax.Array, how: str) -> jax.Array:
         return al.mark_stage_boundary(x)
     if how == "noarg":
         al.mark_stage_boundary()
+    if how == "alpa":  # Alpa's name for it, as an Alpa user types it
+        al.mark_pipeline_boundary()
     return x
 
 
@@ -125,12 +127,12 @@ def layers_of(graph, sl) -> list[tuple]:
 def test_cuts_where_the_tensor_boundary_cuts(name, auto):
     """Same program, same layers, forward and backward (also where automatic layering would cut)."""
     graphs = {}
-    for how in ("tensor", "noarg"):
+    for how in ("tensor", "noarg", "alpa"):
         step, args, _ = example(name, how)
         with auto_layers(auto):
             graphs[how] = al.trace(step, *args)
     tensor, noarg = graphs["tensor"], graphs["noarg"]
-    assert noarg.fingerprint == tensor.fingerprint
+    assert noarg.fingerprint == tensor.fingerprint == graphs["alpa"].fingerprint
     sl_t, sl_n = slice_program(tensor), slice_program(noarg)
     expected = 4 if name == "mlp" else 3
     assert sl_t.num_layers == sl_n.num_layers == expected
