@@ -128,8 +128,9 @@ class ParallelizedStep:
             in_flight_rule(schedule, microbatches)  # a schedule the planner can plan, or a clear error
         if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
             raise ValueError(f"layers must be a positive integer, got {layers!r}")
-        if max_stages is not None and (isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1):
+        if max_stages is not None and (isinstance(max_stages, bool) or not isinstance(max_stages, (int, np.integer)) or max_stages < 1):
             raise ValueError(f"max_stages must be a positive integer (or None: as many as the DP finds best), got {max_stages!r}")
+        max_stages = None if max_stages is None else int(max_stages)
         if microbatches is not None and (mesh_shape is not None or memory_budget is not None):
             raise ValueError(
                 "mesh_shape and memory_budget apply to single-mesh plans; a pipelined step chooses a logical "
@@ -215,6 +216,8 @@ class ParallelizedStep:
         if self.batch_argnums is None:
             return None
         graph = self.trace(*args)
+        named = named_leaves(args, self.batch_argnums)
+        _refuse_named_state(self.fn, args, self.batch_argnums, named, graph)
         return frozenset(v for v, s in zip(graph.invars, named_batch(args, self.batch_argnums)) if s)
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
@@ -242,6 +245,7 @@ class ParallelizedStep:
             progress=progress,
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
+            batch_vars=None if self.batch_argnums is None else frozenset(v for v, s in zip(graph.invars, split) if s),
         )
         with self._cache_lock:
             _keep(self._problems, graph.fingerprint, problem)
@@ -339,6 +343,8 @@ class ParallelizedStep:
                     problem = self._problems.get(graph.fingerprint)
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
                         problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
+                        if self.batch_argnums is not None:
+                            problem.batch_vars = frozenset(v for v, s in zip(graph.invars, self._split(*args)) if s)
                         if dict(plan.cluster) == self.cluster.to_dict():
                             with self._cache_lock:
                                 _keep(self._problems, graph.fingerprint, problem)
@@ -351,7 +357,11 @@ class ParallelizedStep:
             if plan.problem is None:
                 mesh = self.cluster.logical_mesh(plan.mesh_shape, plan.device_ids)
                 sg = build_strategy_graph(graph, mesh, tie_period=int(plan.solver.get("tie_period", 1)))
-                plan = dataclasses.replace(plan, problem=dataclasses.replace(sg, batch_vars=self._batch_vars(args)))
+                if plan.batch_inputs is not None:  # the batch the plan was made with (batch_argnums), for its re-solves
+                    batch = frozenset(v for p, v in zip(graph.in_paths, graph.invars) if p in plan.batch_inputs)
+                else:
+                    batch = self._batch_vars(args)
+                plan = dataclasses.replace(plan, problem=dataclasses.replace(sg, batch_vars=batch))
         self.current_plan = plan
         return plan
 
@@ -638,8 +648,12 @@ def trace_microbatched(
             _refuse_named_state(fn, args, batch_argnums, named)
             raise
         micro = [leaf_aval(x, (x.shape[0] // num_microbatches, *x.shape[1:]) if s else None) for (_, x), s in zip(flat, split)]
-        with auto_layers(layers, remat=remat, asked=layers_asked):
-            graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+        try:
+            with auto_layers(layers, remat=remat, asked=layers_asked):
+                graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+        except TraceError:  # cutting the state (a weight) into micro-batches breaks the step: say that, if so
+            _refuse_named_state(fn, args, batch_argnums, split)
+            raise
         _refuse_named_state(fn, args, batch_argnums, split, graph)
         _refuse_per_example_results(fn, args, graph, split, num_microbatches)
         return graph, split

@@ -224,6 +224,23 @@ def test_batch_argnums_tells_data_parallel_methods_what_to_split(setup, tables, 
     out, loss = step(state, batch, tables)
     _, want = jax.jit(tables_step)(state, batch, tables)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-4)
+    # saved, the plan keeps its batch: loaded into a step that names none, a re-solve (a pin) splits the same inputs
+    assert plan.batch_inputs == ("[1]['x']", "[1]['y']")
+    loaded = al.Plan.from_json(plan.to_json())
+    assert loaded.batch_inputs == plan.batch_inputs
+    other = al.parallelize(tables_step, cluster=al.ClusterSpec.local(1, 4), method=method)
+    loaded = other.use(loaded, state, batch, tables)
+    op = next(o for o in loaded.ops if o.kind == "op" and o.num_strategies > 1)
+    pinned = loaded.pin(op.name, op.strategy)
+    assert {t.path: t.spec for t in pinned.inputs} == {t.path: t.spec for t in plan.inputs}
+    # pipelined: every stage's data-parallel plan splits the named batch, not the tables
+    piped = al.parallelize(tables_step, cluster=al.ClusterSpec.local(1, 4), method=method, microbatches=4, layers=2,
+                           batch_argnums=(1,), max_stages=1)
+    stage = piped.plan(state, batch, tables).stages[0].plan
+    spec_of = {t.path: t.spec for t in stage.inputs}
+    assert spec_of["[1]['x']"].startswith("S") and all(spec_of[f"[2]['{k}']"] == "RR" for k in "abc"), spec_of
+    _, loss = piped(state, batch, tables)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-4)
 
 
 def test_bad_batch_argnums_say_what_is_wrong(setup, tables):
@@ -241,6 +258,18 @@ def test_bad_batch_argnums_say_what_is_wrong(setup, tables):
         step = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=nums)
         with pytest.raises(ValueError, match=message):
             step.plan(state, batch, tables)
+    # the state named as the batch: said on a single mesh too (it planned a "data-parallel" plan splitting nothing)
+    single = al.parallelize(tables_step, cluster=al.ClusterSpec.local(1, 4), method="data_parallel", batch_argnums=0)
+    with pytest.raises(ValueError, match="which the step returns in place as its state"):
+        single.plan(state, batch, tables)
+
+    def weights_step(w, batch):  # a bare weight matrix: cut into micro-batches it breaks the step's matmul first
+        loss, g = al.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    piped = al.parallelize(weights_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=0)
+    with pytest.raises(ValueError, match=r"names \[0\], which the step returns in place as its state"):
+        piped.plan(jnp.ones((16, 4)), batch)
     scalar = {"x": x, "y": y, "lr": jnp.float32(0.1)}
     step = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=(1,))
     with pytest.raises(ValueError, match=r"names \[1\]\['lr'\], which has no leading \(batch\) dimension"):

@@ -179,9 +179,9 @@ def mark_stage_boundary(*xs: Any, name: str = "") -> Any:
     return out[0] if len(xs) == 1 else tuple(out)
 
 
-
 mark_pipeline_boundary = mark_stage_boundary
 """Alpa's name for ``mark_stage_boundary`` (``alpa.mark_pipeline_boundary()``), so Alpa code runs unchanged."""
+
 
 def _mark_gradients(grads: Any) -> Any:
     def one(g: Any) -> Any:

@@ -68,7 +68,7 @@ class ParallelizeMagics(Magics):
     @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
     @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
     @argument("--batch-argnums", default=None, help="comma-separated positions of the step's batch arguments, e.g. 1 "
-              "(default: the data leaves that share the batch size)")
+              "or =-1 (negative ones after '='; default: the data leaves that share the batch size)")
     @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
     @argument("--name", default=None, help="bind the plan to this name (edits in the workbench re-bind it)")
     @argument("--workbench", default=None, help="bind the workbench to this name too")

@@ -310,6 +310,7 @@ def make_plan(
             "tie_period": sg.tie_period,
         },
         mesh_candidates=tuple(mesh_candidates),
+        batch_inputs=None if sg.batch_vars is None else tuple(p for p, v in zip(in_paths, sg.invars) if v in sg.batch_vars),
         unplanned_primitives=sg.unplanned_primitives,
         rewrites=solved.rewrites,
         problem=sg,

@@ -128,6 +128,10 @@ class PipelineProblem:
     logical_meshes: str = "all"
     submesh_space: str = "all"
     """the DP's search space of the last ``plan_pipeline`` (re-plans search the same one)"""
+    batch_vars: frozenset[int] | None = None
+    """the program's batch arguments where the user named them (``parallelize(batch_argnums=)``): what the
+    data-parallel methods split in each layer and stage; None: each piece's data leaves leading with the
+    batch size (``StrategyGraph.batch_vars``)"""
     candidates: list[tuple[InterOpPlan, float, float | None]] = field(default_factory=list)
     """the last ``plan_pipeline``'s candidates: (the DP's stages, their floor (``estimated_step``), their
     simulated step once planned; None: not planned, as the floor was above a planned step; inf: over memory)"""
@@ -167,6 +171,12 @@ class PipelineProblem:
         )
         problem.seconds["slicing"] = time.perf_counter() - t0
         return problem
+
+    def piece_batch(self, piece: Subgraph) -> frozenset[int] | None:
+        """The named batch arguments (``batch_vars``) a piece reads, as its own vars; None where none were named."""
+        if self.batch_vars is None:
+            return None
+        return frozenset(piece.var_map[v] for v in piece.invars if v in self.batch_vars)
 
     def piece_kinds(self, piece: Subgraph) -> dict[int, str]:
         """Argument kinds of a piece: the program's own, or "activation" for crossing tensors."""
@@ -221,6 +231,7 @@ class PipelineProblem:
             self.layer_pieces[self.layer_keys[layer]] = (layer, piece, self.piece_kinds(piece))
         rep, piece, kinds = self.layer_pieces[self.layer_keys[layer]]
         sg = build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse)
+        sg = dataclasses.replace(sg, batch_vars=self.piece_batch(piece)) if self.batch_vars is not None else sg
         self.layer_graphs[key] = (rep, sg, kinds)
         if len(self.layer_graphs) > LAYER_GRAPHS_KEPT:
             self.layer_graphs.popitem(last=False)
@@ -282,6 +293,8 @@ class PipelineProblem:
                     sg = retie(untied, piece.graph, tie_period)
                 else:
                     sg = build_strategy_graph(piece.graph, mesh, argument_kinds=self.piece_kinds(piece), tie_period=tie_period)
+            if self.batch_vars is not None:
+                sg = dataclasses.replace(sg, batch_vars=self.piece_batch(piece))
             self.stage_graphs[key] = sg
             if self.reuse:
                 self.stage_twins.setdefault(self._twin_key(layers, cost_signature(mesh), tie_period), layers)
@@ -461,7 +474,7 @@ class PipelineProblem:
         cluster = profile.cluster()
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
-        new.stage_timer = self.stage_timer
+        new.stage_timer, new.batch_vars = self.stage_timer, self.batch_vars
         new.logical_meshes, new.submesh_space = self.logical_meshes, plan.submesh_space
         if plan.stage_pins:
             # the user fixed the stages: keep them as planned (chunks of an interleaved plan share
@@ -632,7 +645,9 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
             continue
         sg = problem.stage_graphs.get((layers, signature, period)) or problem._twin_graph(layers, signature, period)
         built = problem.stage_graphs[(twin, signature, period)]
-        if sg is not None and sg.cost_graph is built.cost_graph:
+        if sg is not None and problem.batch_vars is not None:
+            sg = dataclasses.replace(sg, batch_vars=problem.piece_batch(problem.piece(layers)))
+        if sg is not None and sg.cost_graph is built.cost_graph and sg.batch_vars == built.batch_vars:
             problem.stage_graphs[(layers, signature, period)] = sg
             # what the method restricted or rewrote is named after the twin's ops: rename it too
             name = {a.name: b.name for a, b in zip(built.nodes, sg.nodes)}
@@ -920,6 +935,7 @@ def plan_pipeline(
     transfers: bool = True,
     submesh_space: str = "all",
     screen_candidates: bool = True,
+    batch_vars: frozenset[int] | None = None,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -935,11 +951,14 @@ def plan_pipeline(
     whole-host counts 2..N as the paper, or ``"power_of_two"`` as Alpa's implementation
     (log2 N shapes instead of N - 1: what makes 128 hosts plannable; the DP's optimum is then
     over that space). ``screen_candidates=False`` plans every candidate (see ``estimated_step``).
+    ``batch_vars``: the batch arguments the user named (``PipelineProblem.batch_vars``).
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
     check_submesh_space(submesh_space)
     problem = problem or PipelineProblem.build(graph, cluster)
+    if batch_vars is not None:
+        problem.batch_vars = batch_vars
     problem.logical_meshes, problem.submesh_space = logical_meshes, submesh_space
     if stage_timer is not None:
         problem.stage_timer = stage_timer

@@ -203,6 +203,10 @@ class Plan:
     mesh_candidates: tuple[tuple[tuple[int, int], float], ...] = ()
     unplanned_primitives: tuple[str, ...] = ()
     rewrites: tuple[str, ...] = ()
+    batch_inputs: tuple[str, ...] | None = None
+    """the input paths the data-parallel methods split, where the user named the batch (``batch_argnums``):
+    saved, so that a re-solve of the loaded plan splits the same ones; None: the data leaves leading with the
+    batch size"""
     schema_version: int = SCHEMA_VERSION
     problem: PlanProblem | None = field(default=None, compare=False, repr=False)
     """the planner state (``passes.intra_op.StrategyGraph``) edits ask: not saved; ``ParallelizedStep.use`` re-attaches it."""
@@ -490,6 +494,7 @@ def _plan_from_dict(d: dict) -> Plan:
         mesh_candidates=tuple((tuple(s), float(t)) for s, t in d.get("mesh_candidates", [])),
         unplanned_primitives=tuple(d.get("unplanned_primitives", [])),
         rewrites=tuple(d.get("rewrites", [])),
+        batch_inputs=None if d.get("batch_inputs") is None else tuple(str(p) for p in d["batch_inputs"]),
     )
 
 

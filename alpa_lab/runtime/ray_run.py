@@ -49,19 +49,17 @@ class MeshWorkerError(RuntimeError):
         self.worker = worker
 
 
-def _check_room(ray: Any, bundles: list[dict[str, float]], wait: float = 5.0) -> None:
-    """Fail fast, saying why, where the mesh workers cannot be placed: the cluster has too few CPUs (GPUs) in all,
-    or another run holds them (its workers are freed by ``run.close()``; a run just closed frees them within
-    ``wait`` seconds). Otherwise the placement group is left to Ray (an autoscaler may still add nodes)."""
+def _room_shortage(ray: Any, bundles: list[dict[str, float]], wait: float = 0.0) -> str | None:
+    """Why the mesh workers' ``bundles`` cannot be placed now, or None if they can: the cluster has too few CPUs
+    (GPUs) in all, or another run holds them (its workers are freed by ``run.close()``; one just closed frees them
+    within ``wait`` seconds, which are waited for)."""
     need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
     total = ray.cluster_resources()
     short = {k: (n, total.get(k, 0)) for k, n in need.items() if n and total.get(k, 0) < n}
     if short:
         what = ", ".join(f"{n:g} {k} (it has {have:g})" for k, (n, have) in short.items())
-        raise LaunchError(
-            f"the plan needs {len(bundles)} mesh workers, {what} on this Ray cluster: plan for a cluster of its shape "
-            "(RayCluster.local(hosts, devices_per_host) starts one) or add nodes"
-        )
+        return (f"the plan needs {len(bundles)} mesh workers, {what} on this Ray cluster: plan for a cluster of its "
+                "shape (RayCluster.local(hosts, devices_per_host) starts one) or add nodes")
     until = time.monotonic() + wait
     while True:
         free = ray.available_resources()
@@ -71,10 +69,9 @@ def _check_room(ray: Any, bundles: list[dict[str, float]], wait: float = 5.0) ->
         time.sleep(0.2)
     if lacking:
         what = ", ".join(f"{n:g} {k} ({have:g} of the cluster's {total.get(k, 0):g} free)" for k, (n, have) in lacking.items())
-        raise LaunchError(
-            f"the plan's {len(bundles)} mesh workers need {what}: another run holds the rest; close it (run.close()) "
-            "or let it finish, then launch again"
-        )
+        return (f"the plan's {len(bundles)} mesh workers need {what}: another run holds the rest; close it (run.close()) "
+                "or let it finish, then launch again")
+    return None
 
 
 @dataclass(frozen=True)
@@ -447,15 +444,19 @@ def launch(
         {"CPU": 1} if cluster.platform == "cpu" else {"CPU": 1, "GPU": len(pl.devices_on(h))} for _, pl, _, h in members
     ]
 
-    _check_room(ray, bundles)
+    if cluster.started_here:  # a Ray started here has no autoscaler: what is missing now stays missing, so say it at once
+        shortage = _room_shortage(ray, bundles, wait=5.0)
+        if shortage:
+            raise LaunchError(shortage)
     t2 = time.perf_counter()
     pg = ray.util.placement_group(bundles, strategy="PACK")
     actors: list[Any] = []
     run: RayRun | None = None
     try:
-        if not pg.wait(timeout_seconds=60):
+        if not pg.wait(timeout_seconds=60):  # a cluster joined at an address may grow (an autoscaler): waited for
             raise LaunchError(
-                f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s; the cluster has {ray.available_resources()}"
+                f"Ray could not place {len(bundles)} mesh workers ({bundles}) within 60 s: "
+                + (_room_shortage(ray, bundles) or f"the cluster has {ray.available_resources()}")
             )
         actor_cls = ray.remote(MeshWorker)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
