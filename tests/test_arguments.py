@@ -277,3 +277,28 @@ def test_bad_batch_argnums_say_what_is_wrong(setup, tables):
     step = al.parallelize(tables_step, cluster=LOCAL, microbatches=3, layers=2, batch_argnums=(1,))
     with pytest.raises(ValueError, match="microbatches=3 does not divide the batch size 32"):
         step.plan(state, batch, tables)
+
+
+@pytest.mark.parametrize("how", ["layers", "remat", "boundary"])
+def test_a_loss_function_taking_a_module_apply_and_a_flag_is_cut_as_jax_grad_passes_them(setup, how):
+    """``loss_fn(params, apply_fn, x, y, train)``: the callable and the Python flag are passed as they are, as
+    ``jax.value_and_grad`` passes them (the pipelined step traced them as arrays and failed), whether the
+    layers are cut automatically, rematerialised, or at ``al.mark_pipeline_boundary()``."""
+    state, x, y = setup
+    batch = {"x": x, "y": y}
+
+    def loss_fn(params, apply_fn, x, y, train):
+        logits = apply_fn(params, x)
+        if how == "boundary":
+            al.mark_pipeline_boundary()
+        if train:  # Python control flow on a Python flag
+            logits = logits * 0.5
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, state.apply_fn, batch["x"], batch["y"], True)
+        return state.apply_gradients(grads=grads), loss
+
+    step = al.parallelize(train_step, cluster=LOCAL, microbatches=4, layers=None if how == "boundary" else 2,
+                          remat=how == "remat")
+    assert_like_jit(step, train_step, state, batch)

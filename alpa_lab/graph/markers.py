@@ -261,7 +261,8 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     from alpa_lab.graph.trace import trace
     from alpa_lab.graph.layering import cluster_layers
 
-    graph = trace(lambda *a: fun(*a, **kwargs), *args, traced_consts=True)
+    static = _Static(args)
+    graph = trace(lambda *arrays: fun(*static.args(arrays), **kwargs), *static.arrays, traced_consts=True)
     if any(_is_boundary(op) for op in graph.ops):
         return fun
     K = len(graph.ops)
@@ -311,15 +312,15 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
 
     def layered(*a: Any) -> Any:
         live.clear()
+        arrays = static.arrays_of(a)
         if _REMAT.get():
-            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), ran=ran, before=mark_cut)
+            outs = _checkpointed(graph, arrays, starts=set(cuts), ran=ran, before=mark_cut)
         elif graph.checkpoints:  # the user's own jax.checkpoint bodies stay checkpointed (cut at the layers)
-            outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set(cuts), ran=ran,
-                                 before=mark_cut, regions=graph.checkpoints)
+            outs = _checkpointed(graph, arrays, starts=set(cuts), ran=ran, before=mark_cut, regions=graph.checkpoints)
         else:
             # each op under its own module path, so labels (and the repeated-block reuse that
             # reads them) survive the re-run
-            outs = evaluate(graph, jax.tree_util.tree_leaves(a), on_output=produced, before=mark_cut, scoped=True)
+            outs = evaluate(graph, arrays, on_output=produced, before=mark_cut, scoped=True)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return layered
@@ -330,10 +331,11 @@ def _rematerialized(fun: Callable, args: tuple, kwargs: dict) -> Callable:
     its boundary markers under ``jax.checkpoint``."""
     from alpa_lab.graph.trace import trace
 
-    graph = trace(lambda *a: fun(*a, **kwargs), *args, traced_consts=True)
+    static = _Static(args)
+    graph = trace(lambda *arrays: fun(*static.args(arrays), **kwargs), *static.arrays, traced_consts=True)
 
     def run(*a: Any) -> Any:
-        outs = _checkpointed(graph, jax.tree_util.tree_leaves(a), starts=set())
+        outs = _checkpointed(graph, static.arrays_of(a), starts=set())
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return run
@@ -546,6 +548,25 @@ def _find_cuts(jaxpr: Any, where: str = "") -> bool:
     return found
 
 
+class _Static:
+    """The arguments of a loss function split as ``jax.grad`` passes them: arrays are traced; flags, callables
+    (a module's ``apply``) and other Python values stay what they are, baked into the re-run's trace."""
+
+    def __init__(self, args: tuple) -> None:
+        self.leaves, self.tree = jax.tree_util.tree_flatten(args)
+        self.traced = [jcore.valid_jaxtype(x) and not isinstance(x, (bool, int)) for x in self.leaves]
+        self.arrays = [x for x, t in zip(self.leaves, self.traced) if t]
+
+    def args(self, arrays: Sequence[Any]) -> tuple:
+        """The arguments with ``arrays`` in the traced leaves' places."""
+        given = iter(arrays)
+        return jax.tree_util.tree_unflatten(self.tree, [next(given) if t else x for x, t in zip(self.leaves, self.traced)])
+
+    def arrays_of(self, args: tuple) -> list[Any]:
+        """The traced leaves of arguments laid out as these (the differentiated ones are JAX's tracers by then)."""
+        return [x for x, t in zip(jax.tree_util.tree_leaves(args), self.traced) if t]
+
+
 def _cut(fun: Callable, args: tuple, kwargs: dict) -> Callable | None:
     """``fun`` re-run from its jaxpr with a boundary marker on every tensor live at each
     argument-less ``mark_stage_boundary()``; None when it has none.
@@ -554,23 +575,18 @@ def _cut(fun: Callable, args: tuple, kwargs: dict) -> Callable | None:
     (only the ``jit`` calls holding a boundary are inlined), so differentiating the re-run
     is differentiating ``fun``.
     """
-    leaves, in_tree = jax.tree_util.tree_flatten(args)
-    # arrays are traced; flags and other Python values stay what they are, as jax.grad passes them
-    traced = [jcore.valid_jaxtype(x) and not isinstance(x, (bool, int)) for x in leaves]
+    static = _Static(args)
 
     def run(*arrays: Any) -> Any:
-        given = iter(arrays)
-        a = jax.tree_util.tree_unflatten(in_tree, [next(given) if t else x for x, t in zip(leaves, traced)])
-        return fun(*a, **kwargs)
+        return fun(*static.args(arrays), **kwargs)
 
-    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*(x for x, t in zip(leaves, traced) if t))
+    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*static.arrays)
     if not _find_cuts(closed.jaxpr):
         return None
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     def cut(*a: Any) -> Any:
-        arrays = [x for x, t in zip(jax.tree_util.tree_leaves(a), traced) if t]
-        outs = _Cutter().run(closed.jaxpr, closed.consts, arrays)
+        outs = _Cutter().run(closed.jaxpr, closed.consts, static.arrays_of(a))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return cut
