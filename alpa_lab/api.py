@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax
@@ -651,9 +652,10 @@ def trace_microbatched(
         try:
             with auto_layers(layers, remat=remat, asked=layers_asked):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
-        except TraceError:  # cutting the state (a weight) into micro-batches breaks the step: say that, if so
+        except TraceError as err:  # cutting the state (a weight) into micro-batches breaks the step: say that, if so
             _refuse_named_state(fn, args, batch_argnums, split)
-            raise
+            raise _on_one_microbatch(err, fn, args, split, f"batch_argnums={batch_argnums}: is a per-example argument "
+                                     "missing from it?") from err
         _refuse_named_state(fn, args, batch_argnums, split, graph)
         _refuse_per_example_results(fn, args, graph, split, num_microbatches)
         return graph, split
@@ -674,12 +676,60 @@ def trace_microbatched(
             split = _batch_leaves(leaves, results, [tuple(np.shape(x)) for _, x in flat])
             if split is not None and split == guess:
                 _refuse_per_example_results(fn, args, graph, guess, num_microbatches)
+                _warn_if_ambiguous(fn, args, graph, guess)
                 return graph, guess
     micro_args, split = microbatch_args(fn, args, num_microbatches)
-    with auto_layers(layers, remat=remat, asked=layers_asked):
-        graph = trace(fn, *micro_args)
+    try:
+        with auto_layers(layers, remat=remat, asked=layers_asked):
+            graph = trace(fn, *micro_args)
+    except TraceError as err:
+        raise _on_one_microbatch(err, fn, args, split, "the leading size most data leaves share; name the batch with "
+                                 "parallelize(..., batch_argnums=(1,)) if it is other arguments") from err
     _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+    _warn_if_ambiguous(fn, args, graph, split)
     return graph, split
+
+
+def _on_one_microbatch(err: TraceError, fn: Callable, args: tuple, split: tuple[bool, ...], why: str) -> TraceError:
+    """``err`` (the step failed on one micro-batch's shapes) with what was cut and which data went whole: a step
+    that runs on the full batch and fails on a micro-batch was most likely cut where it should not be."""
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    try:  # the state, left out of what went whole (it always does)
+        out = jax.eval_shape(fn, *args)
+        results = [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
+        state = set(state_aliases([(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat], results).values())
+    except Exception:  # the step fails on the full batch too: the error says why
+        return err
+    cut = [_path_str(p) for (p, _), s in zip(flat, split) if s]
+    whole = [f"{_path_str(p)} {tuple(np.shape(x))}" for i, ((p, x), s) in enumerate(zip(flat, split))
+             if not s and i not in state and np.ndim(x) >= 1]
+    shown = ", ".join(whole[:6]) + (f" and {len(whole) - 6} more" if len(whole) > 6 else "")
+    return TraceError(
+        f"{err}\n(traced on one micro-batch: cut {', '.join(cut)} ({why}); passed whole: {shown or 'nothing else'})"
+    )
+
+
+def _warn_if_ambiguous(fn: Callable, args: tuple, graph: OpGraph, split: tuple[bool, ...]) -> None:
+    """Warn where the batch rule may have taken side inputs for the batch: RoPE's sin and cos tables passed
+    beside the tokens outnumber them, so the tables were cut, the tokens passed whole, and the numbers were
+    silently others. Two signs: argument 1 (Alpa's default batch) has data leaves and none was cut, or what was
+    cut spans several arguments while other data leaves lead with another size. ``batch_argnums`` settles it."""
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    state = {graph.invars.index(v) for v in find_aliases(graph).values()}
+    cut = [i for i, s in enumerate(split) if s]
+    whole = [i for i, (_, x) in enumerate(flat) if not split[i] and i not in state and np.ndim(x) >= 1]
+    if not whole:
+        return
+    position = [getattr(p[0], "idx", None) for p, _ in flat]
+    second_passed_whole = any(position[i] == 1 for i in whole) and not any(position[i] == 1 for i in cut)
+    if not second_passed_whole and len({position[i] for i in cut}) < 2:
+        return
+    warnings.warn(
+        f"{getattr(fn, '__name__', 'the step')}: the batch cut into micro-batches is {', '.join(_path_str(flat[i][0]) for i in cut)} "
+        f"(the leading size most data leaves share), and {', '.join(_path_str(flat[i][0]) for i in whole)} go whole to "
+        "every micro-batch; if the batch is elsewhere, name it: parallelize(..., batch_argnums=(1,))",
+        stacklevel=4,
+    )
 
 
 def _refuse_named_state(

@@ -198,13 +198,30 @@ def test_batch_argnums_names_the_batch_where_side_tables_outnumber_it(setup, tab
     for nums in (1, -2):
         again = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=nums)
         assert again.plan(state, batch, tables).split_inputs == plan.split_inputs
-    # without it, the rule cuts the tables (they are most of the data leaves): what batch_argnums is for
+    # without it, the rule cuts the tables (they are most of the data leaves) and passes argument 1 whole: said,
+    # naming batch_argnums (or refused, where the cut tables no longer multiply x)
     ruled = al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2)
-    try:
-        cut = ruled.plan(state, batch, tables).split_inputs
-    except (al.TraceError, ValueError):
-        cut = None  # the tables cut into micro-batches do not multiply x: refused
-    assert cut != plan.split_inputs
+    with pytest.raises(al.TraceError, match=r"traced on one micro-batch: cut \[2\]\['a'\], \[2\]\['b'\], \[2\]\['c'\] .*"
+                       r"batch_argnums=\(1,\).*passed whole: \[1\]\['x'\] \(32, 16\), \[1\]\['y'\] \(32,\)"):
+        ruled.plan(state, batch, tables)
+
+    def sliced_step(state, batch, tables):  # tables of 64 rows read up to 16 (RoPE's up to the sequence length)
+        return tables_step(state, batch, {k: v[:16] for k, v in tables.items()})
+
+    long = {k: jnp.tile(v, (4, 1)) for k, v in tables.items()}  # cut into 4, each still has its 16 rows: warned
+    ruled = al.parallelize(sliced_step, cluster=LOCAL, microbatches=4, layers=2)
+    with pytest.warns(UserWarning, match=r"the batch cut into micro-batches is \[2\]\['a'\].*batch_argnums=\(1,\)"):
+        assert ruled.plan(state, batch, long).split_inputs == ("[2]['a']", "[2]['b']", "[2]['c']")
+    # the usual layouts say nothing: a batch dict beside the state, or the batch as two arguments
+    import warnings
+
+    def two_args(state, x, y):
+        return tables_step(state, {"x": x, "y": y}, tables)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=1).plan(state, batch, tables)
+        assert al.parallelize(two_args, cluster=LOCAL, microbatches=4, layers=2).plan(state, x, y).split_inputs == ("[1]", "[2]")
 
 
 @pytest.mark.parametrize("method", ["data_parallel", "zero2"])
