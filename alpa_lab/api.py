@@ -339,7 +339,8 @@ class ParallelizedStep:
                     if split != tuple(plan.split_inputs):
                         raise PlanFormatError(
                             f"this pipeline plan cuts {list(plan.split_inputs)} into micro-batches but the step cuts "
-                            f"{list(split)}; re-plan with step.plan(...)"
+                            f"{list(split)}: make the step with the plan's batch (parallelize(..., batch_argnums=...) "
+                            "names it), or re-plan with step.plan(...)"
                         )
                     problem = self._problems.get(graph.fingerprint)
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):

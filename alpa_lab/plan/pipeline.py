@@ -312,7 +312,7 @@ class PipelinePlan:
                         f"-> layers {b.layers[0]}..{b.layers[1] - 1} on {b.submesh_shape} as {b.logical_shape}"
                     )
             if len(self.stages) != len(other.stages):
-                lines.append(f"{len(other.stages)} stages -> {len(self.stages)} stages")
+                lines.append(f"{_count(len(other.stages), 'stage')} -> {_count(len(self.stages), 'stage')}")
         else:
             for a, b in zip(other.stages, self.stages):
                 d = b.plan.diff(a.plan)
@@ -521,3 +521,7 @@ def _pipeline_plan_from_dict(d: dict) -> PipelinePlan:
     if start != plan.num_layers:
         raise ValueError(f"stages: the stages cover layers 0..{start - 1} but the plan has {plan.num_layers}")
     return plan
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
