@@ -718,7 +718,10 @@ def _warn_if_ambiguous(fn: Callable, args: tuple, graph: OpGraph, split: tuple[b
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     state = {graph.invars.index(v) for v in find_aliases(graph).values()}
     cut = [i for i, s in enumerate(split) if s]
-    whole = [i for i, (_, x) in enumerate(flat) if not split[i] and i not in state and np.ndim(x) >= 1]
+    def raw_key(x: Any) -> bool:  # jax.random.PRNGKey's uint32[2] (or a stack of them): never the batch
+        return str(leaf_aval(x).dtype) == "uint32" and np.ndim(x) <= 2 and np.shape(x)[-1] == 2
+
+    whole = [i for i, (_, x) in enumerate(flat) if not split[i] and i not in state and np.ndim(x) >= 1 and not raw_key(x)]
     if not whole:
         return
     position = [getattr(p[0], "idx", None) for p, _ in flat]

@@ -223,6 +223,12 @@ def test_batch_argnums_names_the_batch_where_side_tables_outnumber_it(setup, tab
         al.parallelize(tables_step, cluster=LOCAL, microbatches=4, layers=2, batch_argnums=1).plan(state, batch, tables)
         assert al.parallelize(two_args, cluster=LOCAL, microbatches=4, layers=2).plan(state, x, y).split_inputs == ("[1]", "[2]")
 
+        def key_first(state, rng, batch):  # a raw PRNG key as argument 1 is not a batch passed whole
+            return tables_step(state, batch, tables)
+
+        planned = al.parallelize(key_first, cluster=LOCAL, microbatches=4, layers=2).plan(state, jax.random.PRNGKey(0), batch)
+        assert planned.split_inputs == ("[2]['x']", "[2]['y']")
+
 
 @pytest.mark.parametrize("method", ["data_parallel", "zero2"])
 def test_batch_argnums_tells_data_parallel_methods_what_to_split(setup, tables, method):
