@@ -250,6 +250,7 @@ def test_a_plan_that_does_not_fit_the_step_is_refused_and_the_previous_plan_stay
         previous.diff(single_plan)
     with pytest.raises(PlanFormatError, match="cannot diff a single-mesh plan with a PipelinePlan"):
         single_plan.diff(previous)
+    assert previous.diff(previous).startswith("no changes: the same stages, schedule and op strategies")
     with pytest.raises(ValueError, match="max_stages must be a positive integer"):
         pipelined(ex, max_stages=0)
     # made current without arguments, then called with another program: refused at the call

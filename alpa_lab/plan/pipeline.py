@@ -320,6 +320,8 @@ class PipelinePlan:
                     lines.append(f"stage {a.index}: {d}")
         if self.schedule != other.schedule:
             lines.append(f"schedule {other.schedule} -> {self.schedule}")
+        if not lines:
+            lines.append("no changes: the same stages, schedule and op strategies")
         lines.append(
             f"predicted step time {other.estimated_step_time * 1e3:.3f} ms -> {self.estimated_step_time * 1e3:.3f} ms "
             f"({_signed_pct(other.estimated_step_time, self.estimated_step_time)})"
