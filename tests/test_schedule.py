@@ -608,3 +608,9 @@ def test_warmup_makespan_equals_the_simulated_schedule(name):
                 assert warmup_makespan(name, f, b, links, M) == want, (S, M, f, b, links)
     f, b = [rng.uniform(1, 2) for _ in range(16)], [rng.uniform(2, 4) for _ in range(16)]
     assert warmup_makespan(name, f, b, [0.05] * 15, 256) == simulate(make_schedule(name, 16, 256), f, b, 0.05, records=False).makespan
+    with pytest.raises(ValueError, match="forward_time must be finite and >= 0"):
+        warmup_makespan(name, [1.0, -1.0], [1.0, 1.0], [0.0], 4)
+    with pytest.raises(ValueError, match="transfer_time must be 1 finite times"):
+        warmup_makespan(name, [1.0, 1.0], [1.0, 1.0], [], 4)
+    with pytest.raises(ValueError, match="not 'zb_h1'"):
+        warmup_makespan("zb_h1", [1.0], [1.0], [], 4)

@@ -502,8 +502,14 @@ def warmup_makespan(
     (building and compiling a schedule of 32 stages and 1,024 micro-batches took 0.3 s, this about a tenth);
     ``tests/test_schedule.py`` checks it equals ``simulate`` exactly.
     """
+    if name not in _WARMUP:
+        raise ValueError(f"warmup_makespan takes {', '.join(sorted(_WARMUP))}, not {name!r} (simulate its schedule)")
     S, M = len(forward_time), num_microbatches
     _validate_sizes(S, M)
+    forward_time, backward_time = _per_stage(forward_time, S, "forward_time"), _per_stage(backward_time, S, "backward_time")
+    transfer_time = tuple(float(t) for t in transfer_time)
+    if len(transfer_time) != max(S - 1, 0) or any(not math.isfinite(t) or t < 0 for t in transfer_time):
+        raise ValueError(f"transfer_time must be {max(S - 1, 0)} finite times >= 0 (one per boundary), got {transfer_time}")
     warm = [min(_WARMUP[name](S, M, s), M) for s in range(S)]
     f_end: list[list[float | None]] = [[None] * M for _ in range(S)]
     b_end: list[list[float | None]] = [[None] * M for _ in range(S)]
