@@ -497,9 +497,10 @@ def warmup_makespan(
 
     Those lists (``_lower``) put each RECV right before the RUN that needs it and each SEND right after the
     RUN that made the data, so a RUN starts at the later of its mesh's last end and its input's end plus the
-    boundary's transfer; that recurrence is walked here over the RUNs alone, in the same order, each stage
-    advancing while its inputs exist. It is what a search that simulates many stage counts once each needs
-    (building and compiling a schedule of 32 stages and 1,024 micro-batches took 0.3 s, this about a tenth);
+    boundary's transfer; that recurrence is walked here over the RUNs alone, in the order ``_build`` gives
+    them (``_warmup_then_1b1f``), each stage advancing while its inputs exist. It is what a search that
+    simulates many stage counts once each needs (building, compiling and simulating a schedule of 32 stages
+    and 1,024 micro-batches took 0.65 s here, this 50 ms);
     ``tests/test_schedule.py`` checks it equals ``simulate`` exactly.
     """
     if name not in _WARMUP:
@@ -510,49 +511,36 @@ def warmup_makespan(
     transfer_time = tuple(float(t) for t in transfer_time)
     if len(transfer_time) != max(S - 1, 0) or any(not math.isfinite(t) or t < 0 for t in transfer_time):
         raise ValueError(f"transfer_time must be {max(S - 1, 0)} finite times >= 0 (one per boundary), got {transfer_time}")
-    warm = [min(_WARMUP[name](S, M, s), M) for s in range(S)]
-    f_end: list[list[float | None]] = [[None] * M for _ in range(S)]
-    b_end: list[list[float | None]] = [[None] * M for _ in range(S)]
-    clock, k, length = [0.0] * S, [0] * S, 2 * M
+    orders = [_warmup_then_1b1f(M, _WARMUP[name](S, M, s)) for s in range(S)]  # each stage's RUNs, as _build has them
+    ends = {FORWARD: [[None] * M for _ in range(S)], BACKWARD: [[None] * M for _ in range(S)]}
+    # per stage and phase: where its input comes from (stage s - 1's forward, s + 1's backward; None: no other
+    # stage), that boundary's transfer, the RUN's own time, and this stage's ends
+    feeds = [
+        {
+            FORWARD: (ends[FORWARD][s - 1] if s > 0 else None, transfer_time[s - 1] if s > 0 else 0.0,
+                      forward_time[s], ends[FORWARD][s]),
+            BACKWARD: (ends[BACKWARD][s + 1] if s < S - 1 else None, transfer_time[s] if s < S - 1 else 0.0,
+                       backward_time[s], ends[BACKWARD][s]),
+        }
+        for s in range(S)
+    ]
+    clock, k = [0.0] * S, [0] * S
     progress = True
     while progress:
         progress = False
         for s in range(S):
-            w, fs, bs, t = warm[s], f_end[s], b_end[s], clock[s]
-            ft, bt = forward_time[s], backward_time[s]
-            prev_f = f_end[s - 1] if s > 0 else None
-            next_b = b_end[s + 1] if s < S - 1 else None
-            link_in, link_back = (transfer_time[s - 1] if s > 0 else 0.0), (transfer_time[s] if s < S - 1 else 0.0)
-            i = k[s]
-            while i < length:
-                if i < w:
-                    forward, m = True, i
-                else:
-                    j = i - w
-                    if j < 2 * (M - w):
-                        forward, m = j % 2 == 1, (w + j // 2 if j % 2 else j // 2)
-                    else:
-                        forward, m = False, M - w + j - 2 * (M - w)
-                if forward:
-                    if prev_f is not None:
-                        ready = prev_f[m]
-                        if ready is None:
-                            break
-                        ready += link_in
-                        if ready > t:
-                            t = ready
-                    t += ft
-                    fs[m] = t
-                else:
-                    if next_b is not None:
-                        ready = next_b[m]
-                        if ready is None:
-                            break
-                        ready += link_back
-                        if ready > t:
-                            t = ready
-                    t += bt
-                    bs[m] = t
+            t, i, order, feed = clock[s], k[s], orders[s], feeds[s]
+            while i < len(order):
+                phase, m = order[i]
+                source, link, duration, mine = feed[phase]
+                if source is not None:
+                    ready = source[m]
+                    if ready is None:
+                        break
+                    if ready + link > t:
+                        t = ready + link
+                t += duration
+                mine[m] = t
                 i += 1
                 progress = True
             k[s], clock[s] = i, t
