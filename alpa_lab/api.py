@@ -221,6 +221,11 @@ class ParallelizedStep:
         _refuse_named_state(self.fn, args, self.batch_argnums, named, graph)
         return frozenset(v for v, s in zip(graph.invars, named_batch(args, self.batch_argnums)) if s)
 
+    def _named_split(self, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
+        """A pipelined step's cut arguments as the program's vars where ``batch_argnums`` named them (None: the rule's,
+        which the data-parallel methods find per piece)."""
+        return None if self.batch_argnums is None else frozenset(v for v, s in zip(graph.invars, split) if s)
+
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
         key = args_signature(args)
@@ -246,7 +251,7 @@ class ParallelizedStep:
             progress=progress,
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
-            batch_vars=None if self.batch_argnums is None else frozenset(v for v, s in zip(graph.invars, split) if s),
+            batch_vars=self._named_split(graph, split),
         )
         with self._cache_lock:
             _keep(self._problems, graph.fingerprint, problem)
@@ -345,8 +350,7 @@ class ParallelizedStep:
                     problem = self._problems.get(graph.fingerprint)
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
                         problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
-                        if self.batch_argnums is not None:
-                            problem.batch_vars = frozenset(v for v, s in zip(graph.invars, self._split(*args)) if s)
+                        problem.batch_vars = self._named_split(graph, self._split(*args))
                         if dict(plan.cluster) == self.cluster.to_dict():
                             with self._cache_lock:
                                 _keep(self._problems, graph.fingerprint, problem)
@@ -696,9 +700,7 @@ def _on_one_microbatch(err: TraceError, fn: Callable, args: tuple, split: tuple[
     that runs on the full batch and fails on a micro-batch was most likely cut where it should not be."""
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     try:  # the state, left out of what went whole (it always does)
-        out = jax.eval_shape(fn, *args)
-        results = [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
-        state = set(state_aliases([(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat], results).values())
+        state = set(state_aliases(_argument_leaves(flat), _full_results(fn, args)).values())
     except Exception:  # the step fails on the full batch too: the error says why
         return err
     cut = [_path_str(p) for (p, _), s in zip(flat, split) if s]
@@ -716,8 +718,9 @@ def _warn_if_ambiguous(fn: Callable, args: tuple, graph: OpGraph, split: tuple[b
     silently others. Two signs: argument 1 (Alpa's default batch) has data leaves and none was cut, or what was
     cut spans several arguments while other data leaves lead with another size. ``batch_argnums`` settles it."""
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
-    state = {graph.invars.index(v) for v in find_aliases(graph).values()}
+    state = _state_positions(graph)
     cut = [i for i, s in enumerate(split) if s]
+
     def raw_key(x: Any) -> bool:  # jax.random.PRNGKey's uint32[2] (or a stack of them): never the batch
         return str(leaf_aval(x).dtype) == "uint32" and np.ndim(x) <= 2 and np.shape(x)[-1] == 2
 
@@ -736,6 +739,23 @@ def _warn_if_ambiguous(fn: Callable, args: tuple, graph: OpGraph, split: tuple[b
     )
 
 
+def _full_results(fn: Callable, args: tuple) -> list[Leaf]:
+    """The step's results on the full arguments (``jax.eval_shape``), as ``state_aliases`` reads them."""
+    out = jax.eval_shape(fn, *args)
+    return [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
+
+
+def _argument_leaves(flat: list) -> list[Leaf]:
+    """The arguments' flat leaves (``tree_flatten_with_path``) as ``state_aliases`` reads them."""
+    return [(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat]
+
+
+def _state_positions(graph: OpGraph) -> set[int]:
+    """Positions among the traced arguments of those the step returns in place (``find_aliases``)."""
+    position = {v: i for i, v in enumerate(graph.invars)}
+    return {position[v] for v in find_aliases(graph).values()}
+
+
 def _refuse_named_state(
     fn: Callable, args: tuple, batch_argnums: tuple[int, ...], named: tuple[bool, ...], graph: OpGraph | None = None
 ) -> None:
@@ -743,15 +763,13 @@ def _refuse_named_state(
     micro-batch's trace) or, without one, in the full arguments' ``jax.eval_shape``."""
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     if graph is not None:
-        state = {graph.invars.index(v) for v in find_aliases(graph).values()}
+        state = _state_positions(graph)
     else:
         try:
-            out = jax.eval_shape(fn, *args)
+            results = _full_results(fn, args)
         except Exception:  # the step cannot take these arguments at all: the caller's error says more
             return
-        results = [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
-        leaves = [(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat]
-        state = set(state_aliases(leaves, results).values())
+        state = set(state_aliases(_argument_leaves(flat), results).values())
     returned = [_path_str(p) for i, ((p, _), s) in enumerate(zip(flat, named)) if s and i in state]
     if returned:
         shown = ", ".join(returned[:3]) + (f" and {len(returned) - 3} more" if len(returned) > 3 else "")
@@ -775,7 +793,7 @@ def _refuse_per_example_results(fn: Callable, args: tuple, graph: OpGraph, split
     ]
     if not suspects:
         return
-    full = {_path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]}
+    full = {path: shape for path, shape, _ in _full_results(fn, args)}
     for pos in suspects:
         path, shape = graph.out_paths[pos], tuple(graph.vars[graph.outvars[pos]].shape)
         if full.get(path, shape) != shape:
@@ -887,13 +905,12 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
     """
     flat, tree = jax.tree_util.tree_flatten_with_path(args)
     try:
-        out = jax.eval_shape(fn, *args)
+        results = _full_results(fn, args)
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r} with the given example arguments: {type(exc).__name__}: {exc}"
         ) from exc
-    results = [(_path_str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(out)[0]]
-    split = _batch_leaves([(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat], results)
+    split = _batch_leaves(_argument_leaves(flat), results)
     if split is None:
         raise ValueError("the step has no batch to split into micro-batches: every argument is returned as state")
     batch = next(x.shape[0] for (_, x), s in zip(flat, split) if s)

@@ -178,6 +178,10 @@ class PipelineProblem:
             return None
         return frozenset(piece.var_map[v] for v in piece.invars if v in self.batch_vars)
 
+    def with_batch(self, sg: StrategyGraph, piece: Subgraph) -> StrategyGraph:
+        """``sg`` (the problem of ``piece``) with the named batch it reads (``piece_batch``); as it is where none was named."""
+        return sg if self.batch_vars is None else dataclasses.replace(sg, batch_vars=self.piece_batch(piece))
+
     def piece_kinds(self, piece: Subgraph) -> dict[int, str]:
         """Argument kinds of a piece: the program's own, or "activation" for crossing tensors."""
         return {
@@ -230,8 +234,10 @@ class PipelineProblem:
             piece = subgraph(self.graph, self.slicing.ops_of([layer], (FORWARD, BACKWARD)), consumers=self.consumers or None)
             self.layer_pieces[self.layer_keys[layer]] = (layer, piece, self.piece_kinds(piece))
         rep, piece, kinds = self.layer_pieces[self.layer_keys[layer]]
-        sg = build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse)
-        sg = dataclasses.replace(sg, batch_vars=self.piece_batch(piece)) if self.batch_vars is not None else sg
+        sg = self.with_batch(
+            build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse),
+            piece,
+        )
         self.layer_graphs[key] = (rep, sg, kinds)
         if len(self.layer_graphs) > LAYER_GRAPHS_KEPT:
             self.layer_graphs.popitem(last=False)
@@ -293,8 +299,7 @@ class PipelineProblem:
                     sg = retie(untied, piece.graph, tie_period)
                 else:
                     sg = build_strategy_graph(piece.graph, mesh, argument_kinds=self.piece_kinds(piece), tie_period=tie_period)
-            if self.batch_vars is not None:
-                sg = dataclasses.replace(sg, batch_vars=self.piece_batch(piece))
+                sg = self.with_batch(sg, piece)
             self.stage_graphs[key] = sg
             if self.reuse:
                 self.stage_twins.setdefault(self._twin_key(layers, cost_signature(mesh), tie_period), layers)
@@ -312,7 +317,8 @@ class PipelineProblem:
         built = self.stage_graphs[(twin, signature, tie_period)]
         if self.piece_kinds(self.piece(layers)) != dict(built.argument_kinds):
             return None
-        return relabel(built, self.piece(twin).graph, self.piece(layers).graph)
+        renamed = relabel(built, self.piece(twin).graph, self.piece(layers).graph)
+        return None if renamed is None else self.with_batch(renamed, self.piece(layers))
 
     def stage_cost(self, start: int, end: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
         """Layers [start, end) on one logical mesh: the sum of their layer costs (from cumulative sums:
@@ -645,8 +651,6 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
             continue
         sg = problem.stage_graphs.get((layers, signature, period)) or problem._twin_graph(layers, signature, period)
         built = problem.stage_graphs[(twin, signature, period)]
-        if sg is not None and problem.batch_vars is not None:
-            sg = dataclasses.replace(sg, batch_vars=problem.piece_batch(problem.piece(layers)))
         if sg is not None and sg.cost_graph is built.cost_graph and sg.batch_vars == built.batch_vars:
             problem.stage_graphs[(layers, signature, period)] = sg
             # what the method restricted or rewrote is named after the twin's ops: rename it too
