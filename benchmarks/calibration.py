@@ -79,7 +79,7 @@ def main() -> None:
     t0 = time.perf_counter()
     calibrated = al.ClusterSpec.calibrate(hosts, per_host)
     print(f"calibration: {time.perf_counter() - t0:.1f} s (target < 60 s)")
-    for f in ("device_flops", "memory_bandwidth", "op_overhead", "task_overhead", "intra_host_bandwidth",
+    for f in ("device_flops", "memory_bandwidth", "op_overhead", "task_overhead", "sum_overhead", "intra_host_bandwidth",
               "intra_host_latency", "host_to_device_bandwidth", "device_memory"):
         print(f"  {f:24s} {getattr(calibrated, f):.4g}")
     preset = al.ClusterSpec.local(hosts, per_host, calibrated=False, platform=devices[0].platform)

@@ -173,6 +173,81 @@ def test_calibrated_stage_times_are_of_the_measured_order(calibrated):
     assert statistics.median(errors["calibrated"]) < math.log(2), errors
 
 
+def test_a_stages_sums_are_priced_as_the_runtimes_sums_program_runs(calibrated):
+    """The gradients a backward makes every micro-batch are summed by one program of their own
+    (``runtime.accumulate``): a kernel and a result per tensor. Priced as ops inside a stage (3-4 us each here),
+    the tiny GPT's 17 sums were predicted at half the time they took; ``sum_overhead`` measures the
+    difference. Oracle: the runtime's own ``accumulate`` on a planned stage's gradients, timed."""
+    import time
+
+    import jax
+
+    from alpa_lab.graph.opgraph import is_inexact
+    from alpa_lab.passes.pipeline import accumulation_seconds
+    from alpa_lab.runtime.accumulate import accumulate
+    from alpa_lab.runtime.stage_profile import _example
+
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=calibrated, microbatches=4, layers=4, schedule="1f1b")
+    plan = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)])
+    step.use(plan)
+    compiled = step.compiled(*ex.args)
+    graph, summed = compiled.graph, set(compiled.slicing.accumulated)
+    dtypes = {v: graph.vars[v].dtype for v in summed}
+    ratios = []
+    for st in plan.stages:
+        task = compiled.tasks[(st.index, "backward")]
+        ins = [jax.device_put(_example(graph.vars[v]), sh) for v, sh in zip(task.invars, task.in_shardings)]
+        made = [(v, x) for v, x in zip(task.outvars, task.fn(*ins)) if v in summed and is_inexact(dtypes[v])]
+        predicted = accumulation_seconds(plan.problem, st.plan, st.layers)
+        backward = {graph.ops[i].name for i in plan.problem.slicing.ops_of(range(*st.layers), ("backward",))}
+        assert len(made) >= 10 and len([n for n in predicted if n in backward]) >= 5
+        sums: dict = {}
+        accumulate(sums, made, dtypes)
+        times = []
+        for _ in range(40):
+            t0 = time.perf_counter()
+            accumulate(sums, made, dtypes)
+            jax.block_until_ready(list(sums.values()))
+            times.append(time.perf_counter() - t0)
+        seconds = sum(t for n, t in predicted.items() if n in backward) + calibrated.task_overhead
+        ratios.append(seconds / statistics.median(times))
+    # within 2x of the measured (0.75-1.0 measured here); without sum_overhead 0.26-0.45, and the check fails
+    # measured here 0.74-0.94; priced without sum_overhead (op_overhead per tensor) 0.50-0.51, which fails this
+    mean = math.exp(statistics.mean(math.log(r) for r in ratios))
+    assert 0.55 < mean < 1.8, ratios
+
+
+def test_sum_overhead_is_in_the_sums_price_and_older_files_keep_the_specs(tmp_path):
+    """Deterministic: ``sum_seconds`` adds ``sum_overhead`` to an op's price; a calibration saved before it was
+    measured keeps the spec's own (0); a profile's fit scales it with the other compute terms."""
+    import dataclasses
+    import json
+
+    from alpa_lab.cost.profile import CostParts, Profile, ProfileRow
+    from alpa_lab.graph.opgraph import Var
+    from alpa_lab.passes.pipeline import sum_seconds
+
+    base = al.ClusterSpec.local(1, 4, calibrated=False)
+    var = Var(0, (64, 64), "float32", "op", producer=0, name="g")
+    with_sum = dataclasses.replace(base, op_overhead=2e-6, sum_overhead=1e-5)
+    assert sum_seconds(with_sum, var, 4) == pytest.approx(sum_seconds(dataclasses.replace(with_sum, sum_overhead=0.0), var, 4) + 1e-5)
+    saved = _fake("process", 1, 4, 2e9)
+    assert saved.sum_overhead is None and saved.apply(with_sum).sum_overhead == 1e-5
+    data = dict(_fake("process", 1, 4, 2e9, sum_overhead=7e-6).__dict__)
+    assert _fake("process", 1, 4, 2e9, sum_overhead=7e-6).apply(base).sum_overhead == 7e-6
+    data.pop("sum_overhead")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "alpa_lab.calibration/1", **data}))
+    assert load_calibration(old).apply(base).sum_overhead == base.sum_overhead == 0.0
+    # a profile whose compute ran 2x the prediction: the fitted cluster doubles the per-sum cost with the per-op one
+    row = ProfileRow(0, "RUN", "backward", CostParts(compute=1e-3), 1e-3, 2e-3, 5)
+    profile = Profile("f", with_sum.to_dict(), (row,), 5, 1e-3, 2e-3)
+    fitted = profile.cluster()
+    assert fitted.sum_overhead / with_sum.sum_overhead == pytest.approx(fitted.op_overhead / with_sum.op_overhead, rel=1e-9)
+    assert fitted.sum_overhead > with_sum.sum_overhead
+
+
 def test_profiling_cost_model_times_the_planned_stages(tmp_path, monkeypatch):
     """``cost_model="profile"``: the stages' times are the runtime's own unit tasks timed on the devices, cached on disk."""
     import json

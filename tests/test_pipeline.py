@@ -472,7 +472,8 @@ def test_gradient_sums_are_charged_to_the_phase_that_makes_them(pipelined_steps)
                 if v in accumulated and graph.vars[v].dtype.startswith("float"):
                     tiles = ShardingSpec.parse(planned[op.name].output_specs[pos]).num_shards(st.plan.mesh_shape)
                     elems = math.prod(graph.vars[v].shape) / tiles
-                    add = max(elems / cluster.device_flops, 3 * 4 * elems / cluster.memory_bandwidth) + cluster.op_overhead
+                    add = max(elems / cluster.device_flops, 3 * 4 * elems / cluster.memory_bandwidth)
+                    add += cluster.op_overhead + cluster.sum_overhead
                     expected[op.name] = expected.get(op.name, 0.0) + add
         assert expected and set(sums) == set(expected)
         assert [sums[k] for k in expected] == pytest.approx(list(expected.values()), rel=1e-12)

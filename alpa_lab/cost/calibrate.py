@@ -16,6 +16,9 @@ them at once* (so devices that share cores are measured sharing them), and retur
   them (``graph.trace``);
 - ``task_overhead``: launching a tiny program on the devices and waiting for it, the fixed
   cost of each unit task a stage runs;
+- ``sum_overhead``: what each tensor summed over the micro-batches costs beyond an op's overhead
+  and its bytes: the slope of a program adding k pairs of tensors (the runtime's sums program)
+  over k;
 - ``intra_host_bandwidth`` and ``intra_host_latency``: an all-reduce over the devices at
   two sizes, solved for the ring formula's alpha and beta (``cost.cluster``).
 
@@ -83,6 +86,9 @@ class Calibration:
     """the fixed cost of one cross-mesh message between mesh workers (the transfer's alpha)"""
     host_to_device_bandwidth: float | None = None
     """bytes/s of a host array put on the devices, per device's tile (None: not measured, the spec's own kept)"""
+    sum_overhead: float | None = None
+    """seconds per tensor summed over the micro-batches beyond an op's (None: not measured, an older file; the
+    spec's own kept)"""
     device_memory: float | None = None
     """bytes a program may allocate on one device, as the backend reports it (None: not reported, the spec's own
     kept): JAX's allocator cap at calibration time (``XLA_PYTHON_CLIENT_MEM_FRACTION``, by default 75% of a GPU)"""
@@ -105,6 +111,7 @@ class Calibration:
             inter_host_latency=self.intra_host_latency if self.inter_host_latency is None else self.inter_host_latency,
             transfer_overhead=spec.transfer_overhead if self.transfer_overhead is None else self.transfer_overhead,
             host_to_device_bandwidth=spec.host_to_device_bandwidth if not self.host_to_device_bandwidth else self.host_to_device_bandwidth,
+            sum_overhead=spec.sum_overhead if self.sum_overhead is None else self.sum_overhead,
             device_memory=self.device_memory or spec.device_memory,
             name=f"{spec.name} (calibrated)" if "calibrated" not in spec.name else spec.name,
         )
@@ -319,6 +326,11 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
     # FLOP and byte time at the rates just measured, over its op count as the planner traces it
     op_overhead = _op_overhead(devices, per_device, flops, bandwidth, task_overhead, repeats)
 
+    # per summed tensor: a program adding k pairs of tensors on one host's devices, as the runtime sums a unit
+    # task's gradients on its stage's mesh
+    host_mesh = Mesh(np.array(devices[:per_host], dtype=object).reshape(1, per_host), ("x", "y"))
+    sum_overhead = _sum_overhead(host_mesh, bandwidth, op_overhead, repeats)
+
     return Calibration(
         platform=devices[0].platform,
         num_devices=n,
@@ -330,6 +342,7 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
         intra_host_latency=float(intra_lat),
         seconds=time.perf_counter() - t_start,
         host_to_device_bandwidth=float(h2d),
+        sum_overhead=float(sum_overhead),
         device_memory=_device_memory(devices),
     )
 
@@ -395,6 +408,32 @@ def _op_overhead(devices: list, per_device: Any, flops: float, bandwidth: float,
         return slope
     # the two timings did not separate (a very fast device, or noise): the deeper program alone, less its launch
     return max(t_large - task_overhead - w_large, 0.0) / max(n_large, 1)
+
+
+def _sum_overhead(mesh: Any, bandwidth: float, op_overhead: float, repeats: int) -> float:
+    """Seconds each tensor summed over the micro-batches costs beyond an op's overhead and its bytes.
+
+    A pipeline's sums are one program per unit task adding each of its k summed tensors into its sum
+    (``runtime.accumulate``): k kernels and k results, which cost more than k ops inside a stage's program,
+    where XLA fuses them (measured: 11-16 us a tensor on simulated CPU devices, against 3-4 us an op). The
+    slope of that program's time from 2 to 18 tensors of 4 KiB per device of ``mesh`` (a stage's sub-mesh:
+    one host's devices), interleaved, less an op's overhead and an add's bytes at the measured bandwidth.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    elems, few, many = 1024, 2, 18
+    add = jax.jit(lambda sums, xs: [s + x for s, x in zip(sums, xs)])
+    # every other tensor split over the mesh, the rest replicated, as a stage's gradients are (weights split,
+    # biases and norms often whole): 4 KiB per device either way
+    layouts = (NamedSharding(mesh, PartitionSpec(("x", "y"))), NamedSharding(mesh, PartitionSpec()))
+    rng = np.random.default_rng(3)
+    tensors = [jax.device_put(rng.standard_normal((elems * (mesh.size if i % 2 == 0 else 1),), dtype=np.float32), layouts[i % 2])
+               for i in range(2 * many)]
+    t_few, t_many = _paired_medians(lambda: add(tensors[:few], tensors[many:many + few]),
+                                    lambda: add(tensors[:many], tensors[many:]), 8 * repeats)
+    per_tensor = (t_many - t_few) / (many - few)
+    return max(per_tensor - op_overhead - 3 * 4 * elems / bandwidth, 0.0)
 
 
 def fit_transfer(sizes: list[int], seconds: list[float]) -> tuple[float, float]:

@@ -55,6 +55,9 @@ class ClusterSpec:
     """seconds to launch one compiled program (a stage's unit task) and see it finish, beyond its ops"""
     transfer_overhead: float = 0.0
     """seconds one cross-mesh transfer costs beyond its bytes (a message between mesh workers; measured by a run)"""
+    sum_overhead: float = 0.0
+    """seconds each tensor summed over the micro-batches costs beyond an op's (its own kernel and result in the
+    sums program, ``runtime.accumulate``; 0 for the presets, measured by ``calibrate``)"""
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:

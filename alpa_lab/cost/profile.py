@@ -10,7 +10,7 @@ are the terms the model is linear in:
 where ``compute`` is every op's roofline time (with its per-op overhead), ``communication``
 every collective, resharding and cross-mesh byte (all alpha-beta terms of the links), and
 ``launches``/``transfers`` count compiled programs and cross-mesh messages. Scaling the
-cluster's FLOP/s and memory bandwidth by 1/a (and its per-op overhead by a) multiplies every
+cluster's FLOP/s and memory bandwidth by 1/a (and its per-op and per-sum overheads by a) multiplies every
 compute term by exactly a; scaling its links' bandwidths by 1/b and latencies by b multiplies
 every communication term by b. ``fit`` finds a, b and the two overheads that best explain
 the measurements (least squares on relative errors, non-negative, with a weak pull toward
@@ -142,6 +142,7 @@ class Profile:
             device_flops=base.device_flops / a,
             memory_bandwidth=base.memory_bandwidth / a,
             op_overhead=base.op_overhead * a,
+            sum_overhead=base.sum_overhead * a,
             intra_host_bandwidth=base.intra_host_bandwidth / b,
             inter_host_bandwidth=base.inter_host_bandwidth / b,
             intra_host_latency=base.intra_host_latency * b,

@@ -44,8 +44,12 @@ def dtype_of(name: str) -> Any:
     return np.dtype(name)
 
 
+@functools.lru_cache(maxsize=None)
 def is_inexact(name: str) -> bool:
-    """Floating or complex (what has a gradient and is summed over micro-batches); a key is not."""
+    """Floating or complex (what has a gradient and is summed over micro-batches); a key is not.
+
+    Cached: the runtimes ask it for every summed tensor of every micro-batch (jax's ``issubdtype`` takes
+    microseconds a call)."""
     import jax  # its issubdtype knows bfloat16 and float8 as floating (NumPy's does not) and keys as neither
 
     return bool(jax.dtypes.issubdtype(dtype_of(name), np.inexact))

@@ -683,9 +683,10 @@ def accumulation_seconds(problem: PipelineProblem, plan: Plan, layers: tuple[int
 
 def sum_seconds(cluster: ClusterSpec, var: Any, tiles: int) -> float:
     """Seconds of adding one micro-batch's ``var`` into its sum on a 1/``tiles`` tile (two tiles read, one
-    written), priced as any op (roofline plus the per-op cost)."""
+    written): an op's roofline and overhead, and what a tensor of the sums program costs beyond (its own
+    kernel and result, ``ClusterSpec.sum_overhead``)."""
     elems, nbytes = math.prod(var.shape) / tiles, var.nbytes / tiles
-    return max(elems / cluster.device_flops, 3 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead
+    return max(elems / cluster.device_flops, 3 * nbytes / cluster.memory_bandwidth) + cluster.op_overhead + cluster.sum_overhead
 
 
 def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -> dict[str, CostParts]:
