@@ -30,6 +30,19 @@ from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 
 _LAZY = {
+    "AutoLayerOption": "alpa_lab.parallel_method",
+    "AutoShardingOption": "alpa_lab.parallel_method",
+    "AutoStageOption": "alpa_lab.parallel_method",
+    "DataParallel": "alpa_lab.parallel_method",
+    "ManualLayerOption": "alpa_lab.parallel_method",
+    "ManualPipeshardParallel": "alpa_lab.parallel_method",
+    "ManualStageOption": "alpa_lab.parallel_method",
+    "MethodOptionError": "alpa_lab.parallel_method",
+    "PipeshardParallel": "alpa_lab.parallel_method",
+    "ShardParallel": "alpa_lab.parallel_method",
+    "UniformStageOption": "alpa_lab.parallel_method",
+    "Zero2Parallel": "alpa_lab.parallel_method",
+    "Zero3Parallel": "alpa_lab.parallel_method",
     "InfeasibleError": "alpa_lab.passes.ilp",
     "InterOpError": "alpa_lab.passes.inter_op",
     "METHODS": "alpa_lab.passes.methods",
@@ -60,6 +73,19 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AutoLayerOption",
+    "AutoShardingOption",
+    "AutoStageOption",
+    "DataParallel",
+    "ManualLayerOption",
+    "ManualPipeshardParallel",
+    "ManualStageOption",
+    "MethodOptionError",
+    "PipeshardParallel",
+    "ShardParallel",
+    "UniformStageOption",
+    "Zero2Parallel",
+    "Zero3Parallel",
     "METHODS",
     "PRESETS",
     "ClusterError",

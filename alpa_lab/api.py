@@ -25,7 +25,8 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
-from alpa_lab.passes.pipeline import PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
+from alpa_lab.parallel_method import ParallelMethod
+from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import SCHEDULES
 from alpa_lab.passes.submesh import check_submesh_space
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
@@ -108,7 +109,7 @@ class ParallelizedStep:
         cluster: ClusterSpec | None = None,
         *,
         mesh_shape: tuple[int, int] | None = None,
-        method: str = "alpa",
+        method: str | ParallelMethod = "alpa",
         memory_budget: float | None = None,
         microbatches: int | None = None,
         schedule: str = "1f1b",
@@ -118,8 +119,27 @@ class ParallelizedStep:
         remat: bool = False,
         submesh_space: str = "all",
         batch_argnums: int | tuple[int, ...] | None = None,
+        logical_meshes: str = "all",
+        stage_option: Any = None,
     ):
-        if method not in METHODS:
+        self.parallel_method = method if isinstance(method, ParallelMethod) else None
+        if isinstance(method, ParallelMethod):  # Alpa's method objects: the options they mean (parallel_method)
+            given = {"microbatches": microbatches, "schedule": schedule, "layers": layers, "remat": remat,
+                     "submesh_space": submesh_space, "logical_meshes": logical_meshes, "stage_option": stage_option}
+            defaults = {"microbatches": None, "schedule": "1f1b", "layers": None, "remat": False, "submesh_space": "all",
+                        "logical_meshes": "all", "stage_option": None}
+            opts = method.options()
+            clash = sorted(k for k in opts if k in given and given[k] != defaults[k] and given[k] != opts[k])
+            if clash:
+                raise ValueError(
+                    f"method={type(method).__name__}(...) already says {', '.join(f'{k}={opts[k]!r}' for k in clash)}; "
+                    f"you also passed {', '.join(f'{k}={given[k]!r}' for k in clash)}: set it in one place")
+            method = opts.pop("method")
+            microbatches, schedule = opts.get("microbatches", microbatches), opts.get("schedule", schedule)
+            layers = opts.get("layers", layers)
+            remat, submesh_space = opts.get("remat", remat), opts.get("submesh_space", submesh_space)
+            logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
+        if not isinstance(method, str) or method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
         if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
@@ -140,6 +160,12 @@ class ParallelizedStep:
         if cost_model not in COST_MODELS:
             raise ValueError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
         check_submesh_space(submesh_space)
+        if logical_meshes not in LOGICAL_MESH_SPACES:
+            raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
+        if stage_option is not None and (microbatches is None or not callable(getattr(stage_option, "assign", None))):
+            raise ValueError(
+                "stage_option= fixes a pipeline's stages: give microbatches= too, and a ManualStageOption(...) or "
+                f"UniformStageOption(...), got {stage_option!r}")
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False, got {remat!r}")
         if remat and microbatches is None:
@@ -158,6 +184,8 @@ class ParallelizedStep:
         self.layers = layers
         self.max_stages = max_stages
         self.submesh_space = submesh_space
+        self.logical_meshes = logical_meshes
+        self.stage_option = stage_option
         self.batch_argnums = check_batch_argnums(batch_argnums)
         self.remat = remat
         self.fn = fn
@@ -252,6 +280,8 @@ class ParallelizedStep:
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
             batch_vars=self._named_split(graph, split),
+            logical_meshes=self.logical_meshes,
+            fixed=None if self.stage_option is None else self.stage_option.assign,
         )
         with self._cache_lock:
             _keep(self._problems, graph.fingerprint, problem)
@@ -269,6 +299,7 @@ class ParallelizedStep:
             problem=problem,
             max_stages=self.max_stages,
             submesh_space=self.submesh_space,
+            stage_pins=self.stage_option is not None,
         )
         if pins:
             plan = plan._replan(plan._current_stages(), pins, False)
@@ -933,7 +964,7 @@ def parallelize(
     *,
     cluster: ClusterSpec | None = None,
     mesh_shape: tuple[int, int] | None = None,
-    method: str = "alpa",
+    method: str | ParallelMethod = "alpa",
     memory_budget: float | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
@@ -943,6 +974,8 @@ def parallelize(
     remat: bool = False,
     submesh_space: str = "all",
     batch_argnums: int | tuple[int, ...] | None = None,
+    logical_meshes: str = "all",
+    stage_option: Any = None,
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
     """Wrap a training step for planning and sharded execution (usable as a decorator).
 
@@ -958,6 +991,10 @@ def parallelize(
     ``batch_argnums`` (as Alpa's, e.g. ``(1,)``): the arguments that are the batch, every leaf of them
     cut into micro-batches and split by the data-parallel methods; by default the batch is the data
     leaves that lead with the size most of them share (``plan.split_inputs`` shows what was cut).
+    ``logical_meshes``: the logical meshes the stage DP tries per sub-mesh (``passes.pipeline.LOGICAL_MESH_SPACES``).
+    ``stage_option``: the stages given instead of searched (``ManualStageOption`` / ``UniformStageOption``).
+    ``method`` may also be one of Alpa's method objects (``ShardParallel()``, ``PipeshardParallel(...)``,
+    ``DataParallel()``, ...: ``parallel_method``), which set the options above they mean.
     """
 
     def wrap(f: Callable) -> ParallelizedStep:
@@ -975,6 +1012,8 @@ def parallelize(
             remat=remat,
             submesh_space=submesh_space,
             batch_argnums=batch_argnums,
+            logical_meshes=logical_meshes,
+            stage_option=stage_option,
         )
 
     return wrap(fn) if fn is not None else wrap

@@ -29,6 +29,7 @@ RANK.update(
     {
         "models": RANK["api"],  # example programs, written against the public markers
         "cli": RANK["api"],  # the command line: calls the public API
+        "parallel_method": RANK["api"],  # Alpa's method objects: the options parallelize takes
         "__main__": RANK["api"],
         "": RANK["api"],  # ``import alpa_lab``: the public namespace, the API and all below it
         "_gc": -1,  # the collector's settings while tracing and planning: imports nothing of ours

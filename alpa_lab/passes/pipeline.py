@@ -57,7 +57,21 @@ from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
-LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel")
+LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel", "same_as_physical", "data_parallel_only")
+"""Alpa's spaces of logical meshes per sub-mesh (``in_logical_space``)."""
+
+
+def in_logical_space(space: str, submesh: Shape, logical: Shape, devices_per_host: int) -> bool:
+    """Whether the stage DP tries ``logical`` on ``submesh`` in ``space``: "all" every 2-D view;
+    "single_node_model_parallel" (n / k, k) with the model-parallel axis k inside a host; "same_as_physical"
+    the sub-mesh's own shape; "data_parallel_only" (n, 1)."""
+    if space == "single_node_model_parallel":
+        return devices_per_host % logical[1] == 0
+    if space == "same_as_physical":
+        return tuple(logical) == tuple(submesh)
+    if space == "data_parallel_only":
+        return logical[1] == 1
+    return True
 LAYER_GRAPHS_KEPT = 16
 
 __all__ = [
@@ -941,6 +955,7 @@ def plan_pipeline(
     submesh_space: str = "all",
     screen_candidates: bool = True,
     batch_vars: frozenset[int] | None = None,
+    fixed: Callable[[PipelineProblem], tuple] | None = None,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -949,14 +964,18 @@ def plan_pipeline(
     too; False gives the paper's eq. 2 alone. Every candidate's stages are then
     planned and simulated (transfers, update) and the fastest that fits memory is kept.
 
-    ``logical_meshes`` is the space of logical mesh shapes per sub-mesh: ``"all"`` 2-D views,
-    or ``"single_node_model_parallel"`` (Alpa's option of that name): (n / k, k) with the
-    model-parallel axis k inside one host, which prices far fewer meshes on a large cluster.
+    ``logical_meshes`` is the space of logical mesh shapes per sub-mesh (``in_logical_space``): ``"all"`` 2-D
+    views, or one of Alpa's: ``"single_node_model_parallel"``, (n / k, k) with the model-parallel axis k
+    inside one host, which prices far fewer meshes on a large cluster; ``"same_as_physical"``;
+    ``"data_parallel_only"``.
     ``submesh_space`` is the space of sub-mesh shapes (``submesh.SUBMESH_SPACES``): ``"all"``
     whole-host counts 2..N as the paper, or ``"power_of_two"`` as Alpa's implementation
     (log2 N shapes instead of N - 1: what makes 128 hosts plannable; the DP's optimum is then
     over that space). ``screen_candidates=False`` plans every candidate (see ``estimated_step``).
     ``batch_vars``: the batch arguments the user named (``PipelineProblem.batch_vars``).
+    ``fixed``: the stages are given, not searched: called with the problem, it returns ([first, last] layers,
+    sub-meshes or None, logical meshes or None) per stage, as ``fixed_stages`` takes them (Alpa's manual and
+    uniform stage options, ``parallel_method``); no DP runs.
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
@@ -969,6 +988,11 @@ def plan_pipeline(
         problem.stage_timer = stage_timer
     N, M = cluster.hosts, cluster.devices_per_host
     memory = cluster.device_memory
+    if fixed is not None:
+        stages = fixed_stages(problem, *fixed(problem))
+        results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
+        check_memory(results, cluster)
+        return problem, results, timeline
 
     solved_before, last_report = len(problem.layer_costs), [time.perf_counter()]
 
@@ -981,7 +1005,7 @@ def plan_pipeline(
     layouts: dict[tuple, tuple[tuple[float, float, int | None, str], ...]] = {}  # shared by the DP's runs (with and without transfers)
 
     def cost(start: int, end: int, submesh: Shape, logical: Shape, transfers: bool = transfers) -> StageCost | None:
-        if logical_meshes == "single_node_model_parallel" and M % logical[1]:
+        if not in_logical_space(logical_meshes, submesh, logical, M):
             return None
         key = (start, end, submesh, logical)
         found = layouts.get(key)
@@ -1027,7 +1051,7 @@ def plan_pipeline(
     rule = in_flight_rule(schedule, num_microbatches)
     profiled: dict = {}  # the DP's table of stage costs, profiled once for every stage-count cap
     meshes = [(shape, lg) for shape in submesh_shapes(N, M, submesh_space) for lg in logical_shapes(shape)
-              if not (logical_meshes == "single_node_model_parallel" and M % lg[1])]
+              if in_logical_space(logical_meshes, shape, lg, M)]
     problem.prefetch_layer_costs(meshes, method, savers_on, report=report)
 
     if progress:

@@ -1,0 +1,398 @@
+"""Alpa's parallel methods (``ShardParallel``, ``PipeshardParallel``, ...) as ``parallelize`` options.
+
+Code written for Alpa chooses how to parallelize with a method object::
+
+    method = al.PipeshardParallel(num_micro_batches=16, layer_option=al.AutoLayerOption(layer_num=2),
+                                  stage_option="auto")
+    p_train_step = al.parallelize(train_step, method=method)
+
+Each class takes the arguments Alpa's takes (same names, same defaults) and says which of
+``parallelize``'s own options it means (``options``), so there is one planner behind both
+spellings. What Alpa does that this planner does not (an inference schedule, fine-grained
+remat, a profiling database, another device set than the cluster's) is refused by name
+rather than ignored. Two of Alpa's defaults are kept because code relies on them:
+``PipeshardParallel`` without ``stage_option`` places stages uniformly (one stage per layer
+on equal sub-meshes, ``UniformStageOption``), not by the stage DP (``stage_option="auto"``);
+and ``AutoStageOption`` searches ``"power_of_two"`` sub-meshes with
+``"single_node_model_parallel"`` logical meshes.
+
+Pure data: nothing here plans; ``api.parallelize`` reads ``options()`` and the stage options
+give ``passes.pipeline.plan_pipeline`` its fixed stages (``assign``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "AutoLayerOption",
+    "AutoShardingOption",
+    "AutoStageOption",
+    "DataParallel",
+    "ManualLayerOption",
+    "ManualPipeshardParallel",
+    "ManualStageOption",
+    "MethodOptionError",
+    "ParallelMethod",
+    "PipeshardParallel",
+    "ShardParallel",
+    "UniformStageOption",
+    "Zero2Parallel",
+    "Zero3Parallel",
+]
+
+
+class MethodOptionError(ValueError):
+    """An Alpa method or option this planner cannot honour (what, and what to pass instead)."""
+
+
+# ----- options ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AutoShardingOption:
+    """Alpa's intra-op options; the ones that choose a method are read (``method_name``), the rest must keep
+    Alpa's defaults (this planner's ILP has no switch for them)."""
+
+    enable_auto_sharding: bool = True
+    prefer_reduce_scatter: bool = False
+    force_data_parallel: bool = False
+    force_zero_stage_3: bool = False
+    force_batch_dim_to_mesh_dim: int | None = None
+    allow_all_gather: bool = True
+    allow_all_to_all: bool = True
+    allow_replicated_parameters: bool = True
+    allow_mixed_mesh_shape: bool = True
+
+    def method_name(self) -> str:
+        """This planner's method for these options: zero3, zero2, data_parallel, or the ILP ("alpa")."""
+        if not self.enable_auto_sharding:
+            raise MethodOptionError(
+                "AutoShardingOption(enable_auto_sharding=False) runs the step with your own sharding annotations only; "
+                "this planner always plans: use jax.jit with your shardings for that, or drop the option")
+        untouched = ("allow_all_gather", "allow_all_to_all", "allow_replicated_parameters", "allow_mixed_mesh_shape")
+        changed = [f for f in untouched if not getattr(self, f)]
+        if changed:
+            raise MethodOptionError(
+                f"AutoShardingOption({', '.join(f'{f}=False' for f in changed)}) is not supported: the ILP here considers "
+                "every strategy; pin strategies on the plan instead (plan.pin(op, strategy))")
+        if self.force_zero_stage_3:
+            return "zero3"
+        if self.force_data_parallel:
+            return "zero2" if self.prefer_reduce_scatter else "data_parallel"
+        return "alpa"
+
+
+@dataclass(frozen=True)
+class AutoLayerOption:
+    """Cut the step into ``layer_num`` layers of balanced cost (this planner's ``layers=``).
+
+    ``remat_mode``: "none", or "coarse_grained_remat" (each layer under ``jax.checkpoint``: ``remat=True``).
+    """
+
+    layer_num: int
+    remat_mode: str = "none"
+    fine_grained_remat_layer_num: int | None = None
+    eps: float = 0.6
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_num, bool) or not isinstance(self.layer_num, (int, np.integer)) or self.layer_num < 1:
+            raise MethodOptionError(f"AutoLayerOption(layer_num=...) must be a positive integer, got {self.layer_num!r}")
+        if self.remat_mode not in ("none", "coarse_grained_remat", "fine_grained_remat"):
+            raise MethodOptionError(
+                f"AutoLayerOption(remat_mode={self.remat_mode!r}): choose 'none' or 'coarse_grained_remat'")
+        if self.remat_mode == "fine_grained_remat" or self.fine_grained_remat_layer_num is not None:
+            raise MethodOptionError(
+                "fine-grained remat is not supported: use remat_mode='coarse_grained_remat' (each layer recomputed in "
+                "the backward), or put jax.checkpoint in your step where you want it")
+
+
+@dataclass(frozen=True)
+class ManualLayerOption:
+    """Layers at your ``mark_pipeline_boundary()`` calls; ``remat_layer``: each under ``jax.checkpoint``."""
+
+    remat_layer: bool = False
+
+
+@dataclass(frozen=True)
+class AutoStageOption:
+    """Stages and sub-meshes chosen by the stage DP (sec. 5.2), over Alpa's search spaces."""
+
+    submesh_physical_shape_space: str = "power_of_two"
+    submesh_logical_shape_space: str = "single_node_model_parallel"
+    stage_imbalance_tolerance: float = math.inf
+    use_hlo_cost_model: bool = False
+    profiling_database_filename: str | None = None
+    cached_profile_result: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_imbalance_tolerance != math.inf:
+            raise MethodOptionError(
+                "AutoStageOption(stage_imbalance_tolerance=...) is not supported: the DP here searches every stage "
+                "(it is fast enough not to prune); pin the stages you want with plan.pin_stages(...)")
+        for name in ("profiling_database_filename", "cached_profile_result"):
+            if getattr(self, name) is not None:
+                raise MethodOptionError(
+                    f"AutoStageOption({name}=...) reads Alpa's profiling files, which this planner does not use: stage "
+                    "costs come from parallelize(cost_model=...) ('analytic', calibrated by ClusterSpec.calibrate(), or "
+                    "'profile', cached on disk)")
+
+
+@dataclass(frozen=True)
+class ManualStageOption:
+    """Stages as you give them: each stage's layer ids (in order, covering every layer once), its sub-mesh,
+    its logical mesh. The per-stage auto-sharding dicts may only choose what ``AutoShardingOption`` can."""
+
+    forward_stage_layer_ids: Sequence[Sequence[int]]
+    submesh_physical_shapes: Sequence[Sequence[int]]
+    submesh_logical_shapes: Sequence[Sequence[int]] | None = None
+    submesh_autosharding_option_dicts: Sequence[dict] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_stage_layer_ids)
+        if len(self.submesh_physical_shapes) != n:
+            raise MethodOptionError(f"ManualStageOption: {n} stages but {len(self.submesh_physical_shapes)} sub-mesh shapes")
+        if self.submesh_logical_shapes is not None and len(self.submesh_logical_shapes) != n:
+            raise MethodOptionError(f"ManualStageOption: {n} stages but {len(self.submesh_logical_shapes)} logical mesh shapes")
+        for d in self.submesh_autosharding_option_dicts or ():
+            _check_option_dict(d)
+
+    def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
+        """([first, last] layers, sub-mesh, logical mesh) per stage, as ``plan_pipeline(fixed=...)`` takes them."""
+        ranges, expect = [], 0
+        for ids in self.forward_stage_layer_ids:
+            ids = [int(i) for i in ids]
+            if not ids or ids != list(range(expect, expect + len(ids))):
+                raise MethodOptionError(
+                    f"ManualStageOption: forward_stage_layer_ids must list the layers 0, 1, ... in order, each once, "
+                    f"every stage at least one; got {[list(x) for x in self.forward_stage_layer_ids]}")
+            ranges.append([ids[0], ids[-1]])
+            expect += len(ids)
+        num_layers = problem.slicing.num_layers
+        if expect != num_layers:
+            raise MethodOptionError(
+                f"ManualStageOption names {expect} layers but the step has {num_layers} (mark_pipeline_boundary() calls, "
+                "or layer_num of AutoLayerOption)")
+        logical = None if self.submesh_logical_shapes is None else [tuple(s) for s in self.submesh_logical_shapes]
+        return ranges, [tuple(s) for s in self.submesh_physical_shapes], logical
+
+
+@dataclass(frozen=True)
+class UniformStageOption:
+    """Equal stages on equal sub-meshes: ``num_stages`` (default: one per layer) stages of contiguous layers with
+    balanced FLOPs, each on devices / ``num_stages`` devices (or ``submesh_physical_shape``)."""
+
+    num_stages: int | None = None
+    submesh_physical_shape: Sequence[int] | None = None
+    submesh_logical_shape: Sequence[int] | None = None
+    submesh_autosharding_option: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_stages is not None and (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, (int, np.integer))
+                                            or self.num_stages < 1):
+            raise MethodOptionError(f"UniformStageOption(num_stages=...) must be a positive integer, got {self.num_stages!r}")
+        if self.submesh_physical_shape is not None and self.submesh_logical_shape is None:
+            raise MethodOptionError("UniformStageOption: give submesh_logical_shape with submesh_physical_shape (as Alpa asks)")
+        if self.submesh_autosharding_option is not None:
+            _check_option_dict(self.submesh_autosharding_option)
+
+    def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]] | None, list[tuple[int, int]] | None]:
+        num_layers = problem.slicing.num_layers
+        stages = self.num_stages or num_layers
+        if stages > num_layers:
+            raise MethodOptionError(f"UniformStageOption(num_stages={stages}) but the step has {num_layers} layers")
+        devices = problem.cluster.num_devices
+        if self.submesh_physical_shape is None and devices % stages:
+            raise MethodOptionError(
+                f"uniform stages: {devices} devices do not split evenly over {stages} stages (one per layer unless "
+                "num_stages says): use AutoLayerOption(layer_num=...) with a divisor of the device count, or "
+                "stage_option='auto'")
+        flops = [sum(problem.graph.ops[i].flops for i in problem.slicing.ops_of([layer])) for layer in range(num_layers)]
+        ranges = balanced_ranges(flops, stages)
+        submeshes = None if self.submesh_physical_shape is None else [tuple(self.submesh_physical_shape)] * stages
+        logical = None if self.submesh_logical_shape is None else [tuple(self.submesh_logical_shape)] * stages
+        return ranges, submeshes, logical
+
+
+def balanced_ranges(costs: Sequence[float], parts: int) -> list[list[int]]:
+    """``costs`` cut into ``parts`` contiguous non-empty [first, last] ranges whose largest sum is least (a DP)."""
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=float))])
+    # best[k][i]: the least largest sum cutting the first i items into k ranges; cut[k][i]: where the last starts
+    best = np.full((parts + 1, n + 1), np.inf)
+    cut = np.zeros((parts + 1, n + 1), dtype=int)
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    ranges, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        ranges.append([int(j), int(i - 1)])
+        i = j
+    return ranges[::-1]
+
+
+_KNOWN_OPTION_KEYS = {"force_batch_dim_to_mesh_dim", "force_data_parallel", "prefer_reduce_scatter", "force_zero_stage_3"}
+
+
+def _check_option_dict(d: Any) -> None:
+    """A per-stage auto-sharding dict of Alpa's (``{}`` or ``{"force_batch_dim_to_mesh_dim": 0}`` as its DP writes
+    them): these only hint the ILP, which chooses every stage's sharding itself; anything else is refused."""
+    if not isinstance(d, dict):
+        raise MethodOptionError(f"a stage's auto-sharding option must be a dict, got {d!r}")
+    unknown = sorted(set(d) - _KNOWN_OPTION_KEYS)
+    if unknown:
+        raise MethodOptionError(
+            f"unknown per-stage auto-sharding option(s) {unknown}: this planner understands {sorted(_KNOWN_OPTION_KEYS)}")
+
+
+# ----- methods ---------------------------------------------------------------------------------
+class ParallelMethod:
+    """A way to parallelize a step: ``options()`` are the ``parallelize`` keyword arguments it means."""
+
+    def options(self) -> dict[str, Any]:  # pragma: no cover - every method overrides it
+        raise NotImplementedError
+
+
+def _no_devices(devices: Any, name: str) -> None:
+    if devices is not None:
+        raise MethodOptionError(
+            f"{name}(devices=...) is not supported: the devices are the cluster's; pass "
+            "parallelize(cluster=al.ClusterSpec.local(hosts, devices_per_host)) (or mesh_shape= for one mesh's shape)")
+
+
+@dataclass(frozen=True)
+class ShardParallel(ParallelMethod):
+    """Intra-op parallelism only: one mesh of every device, sharded by the ILP (Alpa's default method).
+
+    ``num_micro_batches``: gradient accumulation over that many micro-batches (one pipeline stage on every
+    device, each micro-batch's gradients summed).
+    """
+
+    devices: Any = None
+    num_micro_batches: int | None = None
+    auto_sharding_option: AutoShardingOption | None = None
+
+    def options(self) -> dict[str, Any]:
+        _no_devices(self.devices, type(self).__name__)
+        out: dict[str, Any] = {"method": (self.auto_sharding_option or AutoShardingOption()).method_name()}
+        if self.num_micro_batches is not None and self.num_micro_batches != 1:
+            out.update(microbatches=self.num_micro_batches, layers=1, stage_option=_WHOLE_CLUSTER)
+        return out
+
+
+@dataclass(frozen=True)
+class DataParallel(ShardParallel):
+    """Data parallelism: weights replicated, gradients all-reduced."""
+
+    auto_sharding_option: AutoShardingOption | None = field(
+        default=AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)
+
+
+@dataclass(frozen=True)
+class Zero2Parallel(ShardParallel):
+    """ZeRO-2: gradients reduce-scattered, optimizer state partitioned."""
+
+    auto_sharding_option: AutoShardingOption | None = field(
+        default=AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True), init=False)
+
+
+@dataclass(frozen=True)
+class Zero3Parallel(ShardParallel):
+    """ZeRO-3: weights partitioned too, gathered where used."""
+
+    auto_sharding_option: AutoShardingOption | None = field(default=AutoShardingOption(force_zero_stage_3=True), init=False)
+
+
+@dataclass(frozen=True)
+class PipeshardParallel(ParallelMethod):
+    """Inter- and intra-op parallelism: layers grouped into pipeline stages on sub-meshes, each stage sharded.
+
+    ``layer_option``: ``AutoLayerOption(layer_num=...)`` (default 8 layers), or "manual" /
+    ``ManualLayerOption()`` for your ``mark_pipeline_boundary()`` calls. ``stage_option``: "auto" /
+    ``AutoStageOption()`` (the stage DP), ``ManualStageOption(...)``, or "uniform" / ``UniformStageOption()``
+    (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others).
+    """
+
+    devices: Any = None
+    num_micro_batches: int = 1
+    default_auto_sharding_option: AutoShardingOption | None = None
+    pipeline_schedule: str = "1f1b"
+    layer_option: Any = None
+    stage_option: Any = None
+
+    def options(self) -> dict[str, Any]:
+        _no_devices(self.devices, type(self).__name__)
+        if self.pipeline_schedule == "inference":
+            raise MethodOptionError(
+                "pipeline_schedule='inference' is not supported: this planner plans training steps (a forward, a "
+                "backward and an update); choose '1f1b' or 'gpipe'")
+        out: dict[str, Any] = {
+            "method": (self.default_auto_sharding_option or AutoShardingOption()).method_name(),
+            "microbatches": self.num_micro_batches,
+            "schedule": self.pipeline_schedule,
+        }
+        layer = self.layer_option
+        if layer is None:
+            layer = AutoLayerOption(layer_num=8)
+        elif layer == "manual":
+            layer = ManualLayerOption()
+        if isinstance(layer, AutoLayerOption):
+            out.update(layers=int(layer.layer_num), remat=layer.remat_mode == "coarse_grained_remat")
+        elif isinstance(layer, ManualLayerOption):
+            out.update(remat=bool(layer.remat_layer))
+        else:
+            raise MethodOptionError(
+                f"layer_option must be AutoLayerOption(layer_num=...), 'manual' or ManualLayerOption(), got {layer!r}")
+        stage = {"auto": AutoStageOption(), "uniform": UniformStageOption(), None: UniformStageOption()}.get(
+            self.stage_option, self.stage_option) if isinstance(self.stage_option, (str, type(None))) else self.stage_option
+        if isinstance(stage, str):
+            raise MethodOptionError(f"stage_option must be 'auto', 'uniform' or a stage option object, got {stage!r}")
+        if isinstance(stage, AutoStageOption):  # its use_hlo_cost_model: parallelize(cost_model=...) says how stages are priced
+            out.update(submesh_space=stage.submesh_physical_shape_space, logical_meshes=stage.submesh_logical_shape_space)
+        elif isinstance(stage, (ManualStageOption, UniformStageOption)):
+            out["stage_option"] = stage
+        else:
+            raise MethodOptionError(
+                f"stage_option must be 'auto', 'uniform', AutoStageOption(), ManualStageOption(...) or "
+                f"UniformStageOption(...), got {stage!r}")
+        return out
+
+
+class ManualPipeshardParallel(PipeshardParallel):
+    """``PipeshardParallel`` with the stages given (``ManualStageOption``) and layers at your boundaries."""
+
+    def __init__(
+        self,
+        forward_stage_layer_ids: Sequence[Sequence[int]],
+        submesh_physical_shapes: Sequence[Sequence[int]],
+        submesh_logical_shapes: Sequence[Sequence[int]] | None = None,
+        submesh_autosharding_option_dicts: Sequence[dict] | None = None,
+        devices: Any = None,
+        num_micro_batches: int = 1,
+        default_auto_sharding_option: AutoShardingOption | None = None,
+        pipeline_schedule: str = "1f1b",
+    ):
+        stage = ManualStageOption(forward_stage_layer_ids, submesh_physical_shapes, submesh_logical_shapes,
+                                  submesh_autosharding_option_dicts)
+        super().__init__(devices, num_micro_batches, default_auto_sharding_option, pipeline_schedule, "manual", stage)
+
+
+@dataclass(frozen=True)
+class _WholeCluster:
+    """One stage of every layer on every device: gradient accumulation on a single mesh (``ShardParallel``'s
+    ``num_micro_batches``)."""
+
+    def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], None]:
+        c = problem.cluster
+        shape = (1, c.devices_per_host) if c.hosts == 1 else (c.hosts, c.devices_per_host)
+        return [[0, problem.slicing.num_layers - 1]], [shape], None
+
+
+_WHOLE_CLUSTER = _WholeCluster()
