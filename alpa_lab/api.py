@@ -122,18 +122,22 @@ class ParallelizedStep:
         logical_meshes: str = "all",
         stage_option: Any = None,
     ):
+        method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
         if isinstance(method, ParallelMethod):  # Alpa's method objects: the options they mean (parallel_method)
             given = {"microbatches": microbatches, "schedule": schedule, "layers": layers, "remat": remat,
-                     "submesh_space": submesh_space, "logical_meshes": logical_meshes, "stage_option": stage_option}
+                     "submesh_space": submesh_space, "logical_meshes": logical_meshes, "stage_option": stage_option,
+                     "max_stages": max_stages}
             defaults = {"microbatches": None, "schedule": "1f1b", "layers": None, "remat": False, "submesh_space": "all",
-                        "logical_meshes": "all", "stage_option": None}
-            opts = method.options()
-            clash = sorted(k for k in opts if k in given and given[k] != defaults[k] and given[k] != opts[k])
-            if clash:
+                        "logical_meshes": "all", "stage_option": None, "max_stages": None}
+            passed = sorted(k for k in given if given[k] != defaults[k])
+            if passed:  # the method object says how to pipeline (or not): one place for it
                 raise ValueError(
-                    f"method={type(method).__name__}(...) already says {', '.join(f'{k}={opts[k]!r}' for k in clash)}; "
-                    f"you also passed {', '.join(f'{k}={given[k]!r}' for k in clash)}: set it in one place")
+                    f"method={type(method).__name__}(...) says how the step is pipelined; drop "
+                    f"{', '.join(f'{k}={given[k]!r}' for k in passed)} or set it in the method "
+                    "(num_micro_batches, pipeline_schedule, layer_option, stage_option), or pass parallelize's own options "
+                    "without a method object")
+            opts = method.options()
             method = opts.pop("method")
             microbatches, schedule = opts.get("microbatches", microbatches), opts.get("schedule", schedule)
             layers = opts.get("layers", layers)
@@ -976,6 +980,8 @@ def parallelize(
     batch_argnums: int | tuple[int, ...] | None = None,
     logical_meshes: str = "all",
     stage_option: Any = None,
+    static_argnums: Any = "auto",
+    donate_argnums: Any = "auto",
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
     """Wrap a training step for planning and sharded execution (usable as a decorator).
 
@@ -994,8 +1000,14 @@ def parallelize(
     ``logical_meshes``: the logical meshes the stage DP tries per sub-mesh (``passes.pipeline.LOGICAL_MESH_SPACES``).
     ``stage_option``: the stages given instead of searched (``ManualStageOption`` / ``UniformStageOption``).
     ``method`` may also be one of Alpa's method objects (``ShardParallel()``, ``PipeshardParallel(...)``,
-    ``DataParallel()``, ...: ``parallel_method``), which set the options above they mean.
+    ``DataParallel()``, ...: ``parallel_method``), which set the options above they mean; ``None`` is "alpa".
+    ``static_argnums`` and ``donate_argnums`` are Alpa's: static arguments are not supported (close over
+    them); donation is accepted and not done (the results are the same; the old state's buffers are kept).
     """
+    if static_argnums not in ("auto", None) and tuple(np.atleast_1d(static_argnums)):
+        raise ValueError(
+            f"static_argnums={static_argnums!r} is not supported: close over Python values (functools.partial) or pass "
+            "them inside the loss function, and give the step only arrays")
 
     def wrap(f: Callable) -> ParallelizedStep:
         return ParallelizedStep(

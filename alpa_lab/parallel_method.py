@@ -6,15 +6,18 @@ Code written for Alpa chooses how to parallelize with a method object::
                                   stage_option="auto")
     p_train_step = al.parallelize(train_step, method=method)
 
-Each class takes the arguments Alpa's takes (same names, same defaults) and says which of
-``parallelize``'s own options it means (``options``), so there is one planner behind both
-spellings. What Alpa does that this planner does not (an inference schedule, fine-grained
-remat, a profiling database, another device set than the cluster's) is refused by name
-rather than ignored. Two of Alpa's defaults are kept because code relies on them:
-``PipeshardParallel`` without ``stage_option`` places stages uniformly (one stage per layer
-on equal sub-meshes, ``UniformStageOption``), not by the stage DP (``stage_option="auto"``);
-and ``AutoStageOption`` searches ``"power_of_two"`` sub-meshes with
-``"single_node_model_parallel"`` logical meshes.
+Each class takes the arguments Alpa's takes (Alpa 0.2's names, order and defaults; also
+``ManualPipeshardParallel`` and ``AutoLayerOption(layer_num, remat_layer)`` of earlier releases)
+and says which of ``parallelize``'s own options it means (``options``), so there is one planner
+behind both spellings. What Alpa does that this planner does not (an inference schedule,
+fine-grained remat, a profiling database, another device set than the cluster's, options that
+forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
+thresholds, ``force_batch_dim_to_mesh_dim``, ``eps``) are accepted and change nothing, as each
+class says. Alpa's defaults are kept because code relies on them: ``PipeshardParallel`` cuts 2
+layers and, without ``stage_option``, places stages uniformly (one stage per layer on equal
+sub-meshes, each viewed as its own shape: ``UniformStageOption``), not by the stage DP
+(``stage_option="auto"``, over ``"power_of_two"`` sub-meshes with ``"single_node_model_parallel"``
+logical meshes); ``layer_option="manual"`` cuts only at ``mark_pipeline_boundary()``.
 
 Pure data: nothing here plans; ``api.parallelize`` reads ``options()`` and the stage options
 give ``passes.pipeline.plan_pipeline`` its fixed stages (``assign``).
@@ -53,18 +56,25 @@ class MethodOptionError(ValueError):
 # ----- options ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AutoShardingOption:
-    """Alpa's intra-op options; the ones that choose a method are read (``method_name``), the rest must keep
-    Alpa's defaults (this planner's ILP has no switch for them)."""
+    """Alpa's intra-op options (its fields, order and defaults). Those that choose a method are read
+    (``method_name``); those that only tune Alpa's own solver or its collective combiners
+    (``force_batch_dim_to_mesh_dim``, ``allow_mixed_mesh_shape``, ``allow_recompute_heavy_op``,
+    the thresholds, ``prefer_reduce_scatter`` without ``force_data_parallel``) are accepted and change
+    nothing here: this planner's ILP chooses among every strategy; those that forbid strategies are refused."""
 
     enable_auto_sharding: bool = True
-    prefer_reduce_scatter: bool = False
-    force_data_parallel: bool = False
-    force_zero_stage_3: bool = False
-    force_batch_dim_to_mesh_dim: int | None = None
     allow_all_gather: bool = True
     allow_all_to_all: bool = True
     allow_replicated_parameters: bool = True
-    allow_mixed_mesh_shape: bool = True
+    force_data_parallel: bool = False
+    force_batch_dim_to_mesh_dim: int | None = None
+    force_zero_stage_3: bool = False
+    force_zero_stage_3_all_gather_threshold: int = 1 << 25
+    prefer_reduce_scatter: bool = False
+    allow_mixed_mesh_shape: bool = False
+    allow_recompute_heavy_op: bool = False
+    force_simple_heuristic: str = ""
+    all_reduce_threshold: int = 1 << 60
 
     def method_name(self) -> str:
         """This planner's method for these options: zero3, zero2, data_parallel, or the ILP ("alpa")."""
@@ -72,16 +82,19 @@ class AutoShardingOption:
             raise MethodOptionError(
                 "AutoShardingOption(enable_auto_sharding=False) runs the step with your own sharding annotations only; "
                 "this planner always plans: use jax.jit with your shardings for that, or drop the option")
-        untouched = ("allow_all_gather", "allow_all_to_all", "allow_replicated_parameters", "allow_mixed_mesh_shape")
-        changed = [f for f in untouched if not getattr(self, f)]
-        if changed:
+        if self.force_simple_heuristic:
             raise MethodOptionError(
-                f"AutoShardingOption({', '.join(f'{f}=False' for f in changed)}) is not supported: the ILP here considers "
-                "every strategy; pin strategies on the plan instead (plan.pin(op, strategy))")
+                f"AutoShardingOption(force_simple_heuristic={self.force_simple_heuristic!r}) is not supported: choose a "
+                "method instead (al.DataParallel(), al.Zero2Parallel(), al.Zero3Parallel(), or parallelize(method='megatron'))")
         if self.force_zero_stage_3:
             return "zero3"
-        if self.force_data_parallel:
+        if self.force_data_parallel:  # Alpa then lifts the restrictions below itself
             return "zero2" if self.prefer_reduce_scatter else "data_parallel"
+        forbidden = [f for f in ("allow_all_gather", "allow_all_to_all", "allow_replicated_parameters") if not getattr(self, f)]
+        if forbidden:
+            raise MethodOptionError(
+                f"AutoShardingOption({', '.join(f'{f}=False' for f in forbidden)}) is not supported: the ILP here considers "
+                "every strategy; pin strategies on the plan instead (plan.pin(op, strategy))")
         return "alpa"
 
 
@@ -89,17 +102,26 @@ class AutoShardingOption:
 class AutoLayerOption:
     """Cut the step into ``layer_num`` layers of balanced cost (this planner's ``layers=``).
 
-    ``remat_mode``: "none", or "coarse_grained_remat" (each layer under ``jax.checkpoint``: ``remat=True``).
+    ``remat_mode``: "none", or "coarse_grained_remat" (each layer under ``jax.checkpoint``: ``remat=True``);
+    Alpa's older ``AutoLayerOption(layer_num, remat_layer)`` is read too. ``eps`` (Alpa's layer-balance
+    tolerance) is accepted; this planner's layering balances on its own terms.
     """
 
     layer_num: int
-    remat_mode: str = "none"
+    remat_mode: Any = "none"
     fine_grained_remat_layer_num: int | None = None
-    eps: float = 0.6
+    static_argnums: Sequence[int] = ()
+    eps: float = 0.5
+    remat_layer: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_num, bool) or not isinstance(self.layer_num, (int, np.integer)) or self.layer_num < 1:
             raise MethodOptionError(f"AutoLayerOption(layer_num=...) must be a positive integer, got {self.layer_num!r}")
+        if isinstance(self.remat_mode, bool):  # Alpa's older signature: AutoLayerOption(layer_num, remat_layer)
+            object.__setattr__(self, "remat_layer", self.remat_mode or self.remat_layer)
+            object.__setattr__(self, "remat_mode", "coarse_grained_remat" if self.remat_layer else "none")
+        elif self.remat_layer:
+            object.__setattr__(self, "remat_mode", "coarse_grained_remat")
         if self.remat_mode not in ("none", "coarse_grained_remat", "fine_grained_remat"):
             raise MethodOptionError(
                 f"AutoLayerOption(remat_mode={self.remat_mode!r}): choose 'none' or 'coarse_grained_remat'")
@@ -107,13 +129,26 @@ class AutoLayerOption:
             raise MethodOptionError(
                 "fine-grained remat is not supported: use remat_mode='coarse_grained_remat' (each layer recomputed in "
                 "the backward), or put jax.checkpoint in your step where you want it")
+        _no_static(self.static_argnums, "AutoLayerOption")
 
 
 @dataclass(frozen=True)
 class ManualLayerOption:
-    """Layers at your ``mark_pipeline_boundary()`` calls; ``remat_layer``: each under ``jax.checkpoint``."""
+    """Layers at your ``mark_pipeline_boundary()`` calls (one layer if there are none); ``remat_layer``: each
+    under ``jax.checkpoint``."""
 
     remat_layer: bool = False
+    static_argnums: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        _no_static(self.static_argnums, "ManualLayerOption")
+
+
+def _no_static(static_argnums: Any, where: str) -> None:
+    if tuple(static_argnums or ()):
+        raise MethodOptionError(
+            f"{where}(static_argnums={tuple(static_argnums)}) is not supported: pass Python values of the loss function "
+            "positionally as they are (they are kept static), or close over them")
 
 
 @dataclass(frozen=True)
@@ -126,13 +161,22 @@ class AutoStageOption:
     use_hlo_cost_model: bool = False
     profiling_database_filename: str | None = None
     cached_profile_result: str | None = None
+    manually_specified_submeshes: Sequence[Sequence[int]] | None = None
+    layer_profile_mode: str = "composition"
+    cached_compute_cost: str | None = None
+    """Alpa's older name of ``cached_profile_result``"""
 
     def __post_init__(self) -> None:
+        if self.manually_specified_submeshes is not None:
+            raise MethodOptionError(
+                "AutoStageOption(manually_specified_submeshes=...) is not supported: choose the space with "
+                "submesh_physical_shape_space ('power_of_two', 'small_power_of_two', 'all'), or fix the stages with "
+                "ManualStageOption(...)")
         if self.stage_imbalance_tolerance != math.inf:
             raise MethodOptionError(
                 "AutoStageOption(stage_imbalance_tolerance=...) is not supported: the DP here searches every stage "
                 "(it is fast enough not to prune); pin the stages you want with plan.pin_stages(...)")
-        for name in ("profiling_database_filename", "cached_profile_result"):
+        for name in ("profiling_database_filename", "cached_profile_result", "cached_compute_cost"):
             if getattr(self, name) is not None:
                 raise MethodOptionError(
                     f"AutoStageOption({name}=...) reads Alpa's profiling files, which this planner does not use: stage "
@@ -143,7 +187,8 @@ class AutoStageOption:
 @dataclass(frozen=True)
 class ManualStageOption:
     """Stages as you give them: each stage's layer ids (in order, covering every layer once), its sub-mesh,
-    its logical mesh. The per-stage auto-sharding dicts may only choose what ``AutoShardingOption`` can."""
+    its logical mesh (default, as Alpa: the sub-mesh's own shape). The per-stage auto-sharding dicts may hold
+    only ``force_batch_dim_to_mesh_dim`` (as Alpa's stage DP writes them), a hint the ILP does not need."""
 
     forward_stage_layer_ids: Sequence[Sequence[int]]
     submesh_physical_shapes: Sequence[Sequence[int]]
@@ -175,14 +220,16 @@ class ManualStageOption:
             raise MethodOptionError(
                 f"ManualStageOption names {expect} layers but the step has {num_layers} (mark_pipeline_boundary() calls, "
                 "or layer_num of AutoLayerOption)")
-        logical = None if self.submesh_logical_shapes is None else [tuple(s) for s in self.submesh_logical_shapes]
-        return ranges, [tuple(s) for s in self.submesh_physical_shapes], logical
+        submeshes = [tuple(s) for s in self.submesh_physical_shapes]
+        logical = submeshes if self.submesh_logical_shapes is None else [tuple(s) for s in self.submesh_logical_shapes]
+        return ranges, submeshes, logical
 
 
 @dataclass(frozen=True)
 class UniformStageOption:
     """Equal stages on equal sub-meshes: ``num_stages`` (default: one per layer) stages of contiguous layers with
-    balanced FLOPs, each on devices / ``num_stages`` devices (or ``submesh_physical_shape``)."""
+    balanced FLOPs, each on devices / ``num_stages`` devices (or ``submesh_physical_shape``), viewed as
+    ``submesh_logical_shape`` (default, as Alpa: the sub-mesh's own shape)."""
 
     num_stages: int | None = None
     submesh_physical_shape: Sequence[int] | None = None
@@ -211,9 +258,13 @@ class UniformStageOption:
                 "stage_option='auto'")
         flops = [sum(problem.graph.ops[i].flops for i in problem.slicing.ops_of([layer])) for layer in range(num_layers)]
         ranges = balanced_ranges(flops, stages)
-        submeshes = None if self.submesh_physical_shape is None else [tuple(self.submesh_physical_shape)] * stages
-        logical = None if self.submesh_logical_shape is None else [tuple(self.submesh_logical_shape)] * stages
-        return ranges, submeshes, logical
+        if self.submesh_physical_shape is not None:
+            shape = tuple(self.submesh_physical_shape)
+        else:
+            size, per_host = devices // stages, problem.cluster.devices_per_host
+            shape = (1, size) if size <= per_host else (size // per_host, per_host)
+        logical = shape if self.submesh_logical_shape is None else tuple(self.submesh_logical_shape)
+        return ranges, [shape] * stages, [logical] * stages
 
 
 def balanced_ranges(costs: Sequence[float], parts: int) -> list[list[int]]:
@@ -238,18 +289,17 @@ def balanced_ranges(costs: Sequence[float], parts: int) -> list[list[int]]:
     return ranges[::-1]
 
 
-_KNOWN_OPTION_KEYS = {"force_batch_dim_to_mesh_dim", "force_data_parallel", "prefer_reduce_scatter", "force_zero_stage_3"}
-
-
 def _check_option_dict(d: Any) -> None:
     """A per-stage auto-sharding dict of Alpa's (``{}`` or ``{"force_batch_dim_to_mesh_dim": 0}`` as its DP writes
-    them): these only hint the ILP, which chooses every stage's sharding itself; anything else is refused."""
+    them): that hint is accepted (the ILP chooses every stage's sharding itself); anything else is refused, so
+    no per-stage method is silently dropped."""
     if not isinstance(d, dict):
         raise MethodOptionError(f"a stage's auto-sharding option must be a dict, got {d!r}")
-    unknown = sorted(set(d) - _KNOWN_OPTION_KEYS)
-    if unknown:
+    other = sorted(set(d) - {"force_batch_dim_to_mesh_dim"})
+    if other:
         raise MethodOptionError(
-            f"unknown per-stage auto-sharding option(s) {unknown}: this planner understands {sorted(_KNOWN_OPTION_KEYS)}")
+            f"per-stage auto-sharding option(s) {other} are not supported (only force_batch_dim_to_mesh_dim, a hint): "
+            "choose one method for every stage with default_auto_sharding_option, or pin a stage's ops on the plan")
 
 
 # ----- methods ---------------------------------------------------------------------------------
@@ -258,6 +308,13 @@ class ParallelMethod:
 
     def options(self) -> dict[str, Any]:  # pragma: no cover - every method overrides it
         raise NotImplementedError
+
+
+def _no_manual_sharding(option: Any, name: str) -> None:
+    if option is not None:
+        raise MethodOptionError(
+            f"{name}(manual_sharding_option=...) is not supported: the planner chooses the shardings; pin an op's "
+            "strategy on the plan (plan.pin(op, strategy)) to fix one")
 
 
 def _no_devices(devices: Any, name: str) -> None:
@@ -278,9 +335,11 @@ class ShardParallel(ParallelMethod):
     devices: Any = None
     num_micro_batches: int | None = None
     auto_sharding_option: AutoShardingOption | None = None
+    manual_sharding_option: Any = None
 
     def options(self) -> dict[str, Any]:
         _no_devices(self.devices, type(self).__name__)
+        _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         out: dict[str, Any] = {"method": (self.auto_sharding_option or AutoShardingOption()).method_name()}
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
             out.update(microbatches=self.num_micro_batches, layers=1, stage_option=_WHOLE_CLUSTER)
@@ -314,7 +373,7 @@ class Zero3Parallel(ShardParallel):
 class PipeshardParallel(ParallelMethod):
     """Inter- and intra-op parallelism: layers grouped into pipeline stages on sub-meshes, each stage sharded.
 
-    ``layer_option``: ``AutoLayerOption(layer_num=...)`` (default 8 layers), or "manual" /
+    ``layer_option``: ``AutoLayerOption(layer_num=...)`` (default 2 layers, as Alpa 0.2), or "manual" /
     ``ManualLayerOption()`` for your ``mark_pipeline_boundary()`` calls. ``stage_option``: "auto" /
     ``AutoStageOption()`` (the stage DP), ``ManualStageOption(...)``, or "uniform" / ``UniformStageOption()``
     (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others).
@@ -326,27 +385,34 @@ class PipeshardParallel(ParallelMethod):
     pipeline_schedule: str = "1f1b"
     layer_option: Any = None
     stage_option: Any = None
+    stage_input_shardings: Any = None
+    manual_sharding_option: Any = None
 
     def options(self) -> dict[str, Any]:
         _no_devices(self.devices, type(self).__name__)
+        _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
+        if self.stage_input_shardings is not None:
+            raise MethodOptionError(
+                "PipeshardParallel(stage_input_shardings=...) is not supported: the planner chooses each stage's input "
+                "layouts; pin an op's strategy on the plan (plan.pin(op, strategy)) to fix one")
         if self.pipeline_schedule == "inference":
             raise MethodOptionError(
                 "pipeline_schedule='inference' is not supported: this planner plans training steps (a forward, a "
                 "backward and an update); choose '1f1b' or 'gpipe'")
         out: dict[str, Any] = {
-            "method": (self.default_auto_sharding_option or AutoShardingOption()).method_name(),
+            "method": (self.default_auto_sharding_option or AutoShardingOption(prefer_reduce_scatter=True)).method_name(),
             "microbatches": self.num_micro_batches,
             "schedule": self.pipeline_schedule,
         }
         layer = self.layer_option
         if layer is None:
-            layer = AutoLayerOption(layer_num=8)
+            layer = AutoLayerOption(layer_num=2)
         elif layer == "manual":
             layer = ManualLayerOption()
         if isinstance(layer, AutoLayerOption):
             out.update(layers=int(layer.layer_num), remat=layer.remat_mode == "coarse_grained_remat")
-        elif isinstance(layer, ManualLayerOption):
-            out.update(remat=bool(layer.remat_layer))
+        elif isinstance(layer, ManualLayerOption):  # your boundaries; none: the step is one layer, as in Alpa
+            out.update(layers=1, remat=bool(layer.remat_layer))
         else:
             raise MethodOptionError(
                 f"layer_option must be AutoLayerOption(layer_num=...), 'manual' or ManualLayerOption(), got {layer!r}")

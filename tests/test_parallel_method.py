@@ -76,58 +76,66 @@ def test_auto_stages_are_the_dp_over_alpas_spaces(mlp, cluster):
     plan = step.plan(*mlp.args)
     spelled = al.parallelize(mlp.train_step, cluster=cluster, microbatches=4, layers=4, submesh_space="power_of_two",
                              logical_meshes="single_node_model_parallel").plan(*mlp.args)
-    assert (step.microbatches, step.layers, step.schedule, step.submesh_space, step.logical_meshes) == (
-        4, 4, "1f1b", "power_of_two", "single_node_model_parallel")
+    assert (step.microbatches, step.layers, step.schedule, step.submesh_space, step.logical_meshes, step.remat) == (
+        4, 4, "1f1b", "power_of_two", "single_node_model_parallel", False)
     assert [(st.layers, st.submesh_shape, st.logical_shape) for st in plan.stages] == [
         (st.layers, st.submesh_shape, st.logical_shape) for st in spelled.stages]
     assert not plan.stage_pins
     close_to_jit(step, mlp)
 
 
-def test_pipeshard_defaults_to_uniform_stages_one_per_layer(mlp, cluster):
-    """Alpa's default stage option: one stage per layer, each on devices / layers devices."""
-    step = al.parallelize(mlp.train_step, cluster=cluster,
-                          method=al.PipeshardParallel(num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4)))
+def stages_of(plan) -> list:
+    return [(st.layers, st.submesh_shape, st.logical_shape) for st in plan.stages]
+
+
+@pytest.mark.parametrize("stage_option", [None, "uniform", al.UniformStageOption()])
+def test_pipeshard_defaults_to_uniform_stages_one_per_layer(mlp, cluster, stage_option):
+    """Alpa's default stage option: one stage per layer, each on devices / layers devices viewed as its own shape."""
+    step = al.parallelize(mlp.train_step, cluster=cluster, method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=stage_option))
     plan = step.plan(*mlp.args)
-    assert [(st.layers, st.submesh_shape) for st in plan.stages] == [((i, i + 1), (1, 2)) for i in range(4)]
+    assert stages_of(plan) == [((i, i + 1), (1, 2), (1, 2)) for i in range(4)]
     assert plan.stage_pins
     close_to_jit(step, mlp)
-    # unpinned, the DP chooses again (the plan is an ordinary pinned plan)
-    assert not plan.unpin_stages().stage_pins
+    # unpinned, the DP chooses again, as it does for the same options without a method object
+    dp = al.parallelize(mlp.train_step, cluster=cluster, microbatches=4, layers=4).plan(*mlp.args)
+    assert stages_of(plan.unpin_stages()) == stages_of(dp)
 
 
-def test_manual_stages_are_placed_as_given(mlp, cluster):
-    method = al.ManualPipeshardParallel(
-        forward_stage_layer_ids=[[0, 1, 2], [3]], submesh_physical_shapes=[(1, 4), (1, 4)],
-        submesh_logical_shapes=[(2, 2), (4, 1)], submesh_autosharding_option_dicts=[{}, {"force_batch_dim_to_mesh_dim": 0}],
-        num_micro_batches=4, pipeline_schedule="gpipe")
-    step = al.parallelize(mlp.train_step, cluster=cluster, method=method, layers=4)
-    plan = step.plan(*mlp.args)
-    assert plan.schedule == "gpipe" and plan.stage_pins
-    assert [(st.layers, st.submesh_shape, st.logical_shape) for st in plan.stages] == [
-        ((0, 3), (1, 4), (2, 2)), ((3, 4), (1, 4), (4, 1))]
-    close_to_jit(step, mlp)
+def test_pipeshard_defaults_are_alpas():
+    """Alpa 0.2: 2 layers, uniform stages, the 1F1B schedule, one micro-batch; the auto-sharding default keeps the ILP."""
+    options = al.PipeshardParallel().options()
+    assert {k: options[k] for k in ("method", "microbatches", "schedule", "layers", "remat")} == {
+        "method": "alpa", "microbatches": 1, "schedule": "1f1b", "layers": 2, "remat": False}
+    assert options["stage_option"] == al.UniformStageOption()
+    assert al.PipeshardParallel(layer_option="manual").options()["layers"] == 1  # boundaries only: none is one layer
+    auto = al.PipeshardParallel(stage_option="auto").options()
+    assert (auto["submesh_space"], auto["logical_meshes"]) == ("power_of_two", "single_node_model_parallel")
+    # remat: Alpa 0.2's remat_mode, its older AutoLayerOption(layer_num, remat_layer), and ManualLayerOption's flag
+    for layer in (al.AutoLayerOption(2, "coarse_grained_remat"), al.AutoLayerOption(2, True), al.ManualLayerOption(remat_layer=True)):
+        assert al.PipeshardParallel(layer_option=layer).options()["remat"] is True
+    assert al.AutoShardingOption().method_name() == "alpa"  # Alpa's own defaults, spelled out, are accepted
 
 
 class Boundaried(nn.Module):
+    layers: int = 4
+
     @nn.compact
     def __call__(self, x):
-        for i in range(4):
+        for i in range(self.layers):
             if i:
                 al.mark_pipeline_boundary()
             x = nn.relu(nn.Dense(16)(x))
         return nn.Dense(4)(x)
 
 
-def test_alpas_manual_layering_test_pattern():
-    """As Alpa's own pipeline tests write it: boundaries in the model, ``alpa.grad``, ``layer_option="manual"``,
-    default (uniform) stages: 4 layers on 8 devices are 4 stages of 2."""
-    model = Boundaried()
+def boundaried(layers: int = 4):
+    """A model with ``mark_pipeline_boundary()`` between its layers and an Alpa-style step (``al.grad``)."""
+    model = Boundaried(layers)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 8)), jnp.float32)
     y = jnp.asarray(np.random.default_rng(1).standard_normal((32, 4)), jnp.float32)
     state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
                                           tx=optax.sgd(0.1))
-    batch = {"x": x, "y": y}
 
     def train_step(state, batch):
         def loss_func(params):
@@ -137,19 +145,59 @@ def test_alpas_manual_layering_test_pattern():
         grads = al.grad(loss_func)(state.params)
         return state.apply_gradients(grads=grads)
 
-    p_train_step = al.parallelize(train_step, cluster=al.ClusterSpec.local(2, 4, calibrated=False),
-                                  method=al.PipeshardParallel(num_micro_batches=4, layer_option="manual"))
-    got = p_train_step(state, batch)
-    plan = p_train_step.current_plan
-    assert [(st.layers, st.submesh_shape) for st in plan.stages] == [((i, i + 1), (1, 2)) for i in range(4)]
-
     def plain(state, batch):
         grads = jax.grad(lambda p: jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2))(state.params)
         return state.apply_gradients(grads=grads)
 
-    want = jax.jit(plain)(state, batch)
+    return train_step, plain, state, {"x": x, "y": y}
+
+
+def same_params(got, want) -> None:
     for a, b in zip(jax.tree_util.tree_leaves(got.params), jax.tree_util.tree_leaves(want.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+def test_alpas_manual_layering_test_pattern(cluster):
+    """As Alpa's own pipeline tests write it: boundaries in the model, ``alpa.grad``, ``layer_option="manual"``,
+    default (uniform) stages: 4 layers on 8 devices are 4 stages of 2, each its own shape."""
+    train_step, plain, state, batch = boundaried()
+    p_train_step = al.parallelize(train_step, cluster=cluster, donate_argnums=(),
+                                  method=al.PipeshardParallel(num_micro_batches=4, layer_option="manual"))
+    got = p_train_step(state, batch)
+    assert stages_of(p_train_step.current_plan) == [((i, i + 1), (1, 2), (1, 2)) for i in range(4)]
+    same_params(got, jax.jit(plain)(state, batch))
+
+
+def test_manual_layers_without_boundaries_are_one_layer(mlp, cluster):
+    """Alpa's manual layering without a boundary: the step is one layer (not 8 automatic ones)."""
+    step = al.parallelize(mlp.train_step, cluster=cluster,
+                          method=al.ManualPipeshardParallel([[0]], [(2, 4)], num_micro_batches=2))
+    plan = step.plan(*mlp.args)
+    assert plan.num_layers == 1 and stages_of(plan) == [((0, 1), (2, 4), (2, 4))]
+    close_to_jit(step, mlp)
+
+
+def test_manual_stages_are_placed_as_given(cluster, tmp_path):
+    train_step, plain, state, batch = boundaried()
+    method = al.ManualPipeshardParallel(
+        forward_stage_layer_ids=[[0, 1, 2], [3]], submesh_physical_shapes=[(1, 4), (1, 4)],
+        submesh_logical_shapes=[(2, 2), (4, 1)], submesh_autosharding_option_dicts=[{}, {"force_batch_dim_to_mesh_dim": 0}],
+        num_micro_batches=4, pipeline_schedule="gpipe")
+    step = al.parallelize(train_step, cluster=cluster, method=method)
+    plan = step.plan(state, batch)
+    assert plan.schedule == "gpipe" and plan.stage_pins
+    assert stages_of(plan) == [((0, 3), (1, 4), (2, 2)), ((3, 4), (1, 4), (4, 1))]
+    same_params(step(state, batch), jax.jit(plain)(state, batch))
+    # without logical shapes, as Alpa: each stage viewed as its sub-mesh's own shape
+    as_physical = al.parallelize(train_step, cluster=cluster, method=al.ManualPipeshardParallel(
+        [[0, 1, 2], [3]], [(1, 4), (1, 4)], num_micro_batches=4)).plan(state, batch)
+    assert [st.logical_shape for st in as_physical.stages] == [(1, 4), (1, 4)]
+    # the plan is an ordinary one: saved as JSON, loaded, run by a fresh step made the same way
+    plan.save(tmp_path / "manual.plan.json")
+    fresh = al.parallelize(train_step, cluster=cluster, method=method)
+    fresh.use(al.PipelinePlan.load(tmp_path / "manual.plan.json"), state, batch)
+    assert stages_of(fresh.current_plan) == stages_of(plan)
+    same_params(fresh(state, batch), jax.jit(plain)(state, batch))
 
 
 def test_uniform_grouping_is_the_brute_force_optimum():
@@ -171,10 +219,16 @@ def test_uniform_grouping_is_the_brute_force_optimum():
 
 
 def test_uniform_stages_balance_flops(mlp, cluster):
+    """``UniformStageOption(num_stages=2)``: the layers grouped by ``balanced_ranges`` of their FLOPs (checked against
+    brute force above), each stage on half the devices."""
     step = al.parallelize(mlp.train_step, cluster=cluster, method=al.PipeshardParallel(
         num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4), stage_option=al.UniformStageOption(num_stages=2)))
     plan = step.plan(*mlp.args)
-    assert [st.submesh_shape for st in plan.stages] == [(1, 4), (1, 4)] and plan.num_stages == 2
+    problem = plan.problem
+    flops = [sum(problem.graph.ops[i].flops for i in problem.slicing.ops_of([k])) for k in range(plan.num_layers)]
+    want = [(a, b + 1) for a, b in balanced_ranges(flops, 2)]
+    assert [st.layers for st in plan.stages] == want
+    assert [(st.submesh_shape, st.logical_shape) for st in plan.stages] == [((1, 4), (1, 4))] * 2
     close_to_jit(step, mlp)
 
 
@@ -196,9 +250,18 @@ def test_alpas_logical_mesh_spaces(mlp, cluster, space):
     (lambda: al.ShardParallel(devices=jax.devices()[:4]), r"devices=\.\.\.\) is not supported.*ClusterSpec.local"),
     (lambda: al.PipeshardParallel(stage_option=al.AutoStageOption(stage_imbalance_tolerance=0.25)), "stage_imbalance_tolerance"),
     (lambda: al.PipeshardParallel(stage_option=al.AutoStageOption(profiling_database_filename="prof.pkl")), "profiling files"),
+    (lambda: al.PipeshardParallel(stage_option=al.AutoStageOption(manually_specified_submeshes=[(1, 4)])), "manually_specified"),
     (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(enable_auto_sharding=False)), "enable_auto_sharding"),
+    (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(allow_all_gather=False)), "allow_all_gather=False"),
+    (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(allow_replicated_parameters=False)),
+     "allow_replicated_parameters=False"),
+    (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(force_simple_heuristic="shard-largest")),
+     "force_simple_heuristic"),
+    (lambda: al.ShardParallel(manual_sharding_option=object()), "manual_sharding_option"),
+    (lambda: al.PipeshardParallel(stage_input_shardings=[[]]), "stage_input_shardings"),
     (lambda: al.PipeshardParallel(stage_option="dp"), "stage_option must be"),
     (lambda: al.PipeshardParallel(layer_option="auto"), "layer_option must be"),
+    (lambda: al.PipeshardParallel(layer_option=al.AutoLayerOption(2, static_argnums=(1,))), "static_argnums"),
 ])
 def test_what_the_planner_cannot_do_is_refused_by_name(mlp, cluster, make, match):
     with pytest.raises(ValueError, match=match):
@@ -206,18 +269,25 @@ def test_what_the_planner_cannot_do_is_refused_by_name(mlp, cluster, make, match
 
 
 def test_bad_stage_options_say_what_is_wrong(mlp, cluster):
-    with pytest.raises(ValueError, match=r"already says microbatches=4; you also passed microbatches=8"):
-        al.parallelize(mlp.train_step, cluster=cluster, method=al.PipeshardParallel(num_micro_batches=4), microbatches=8)
+    # a method object says how to pipeline: parallelize's own pipeline options beside it are refused, not merged
+    for extra in ({"microbatches": 8}, {"layers": 4}, {"stage_option": al.UniformStageOption()}, {"schedule": "gpipe"}):
+        with pytest.raises(ValueError, match=r"says how the step is pipelined; drop " + next(iter(extra))):
+            al.parallelize(mlp.train_step, cluster=cluster, method=al.PipeshardParallel(num_micro_batches=4), **extra)
+    with pytest.raises(ValueError, match=r"ShardParallel\(\.\.\.\) says how the step is pipelined; drop microbatches=4"):
+        al.parallelize(mlp.train_step, cluster=cluster, method=al.ShardParallel(), microbatches=4)
+    with pytest.raises(ValueError, match="static_argnums=\\(1,\\) is not supported"):
+        al.parallelize(mlp.train_step, cluster=cluster, static_argnums=(1,))
+    train_step, _, state, batch = boundaried()
     with pytest.raises(ValueError, match="in order, each once"):
-        al.parallelize(mlp.train_step, cluster=cluster, layers=4, method=al.ManualPipeshardParallel(
-            [[0, 2], [1, 3]], [(1, 4), (1, 4)], num_micro_batches=4)).plan(*mlp.args)
+        al.parallelize(train_step, cluster=cluster, method=al.ManualPipeshardParallel(
+            [[0, 2], [1, 3]], [(1, 4), (1, 4)], num_micro_batches=4)).plan(state, batch)
     with pytest.raises(ValueError, match="names 3 layers but the step has 4"):
-        al.parallelize(mlp.train_step, cluster=cluster, layers=4, method=al.ManualPipeshardParallel(
-            [[0, 1], [2]], [(1, 4), (1, 4)], num_micro_batches=4)).plan(*mlp.args)
+        al.parallelize(train_step, cluster=cluster, method=al.ManualPipeshardParallel(
+            [[0, 1], [2]], [(1, 4), (1, 4)], num_micro_batches=4)).plan(state, batch)
     with pytest.raises(ValueError, match="2 stages but 1 sub-mesh shapes"):
         al.ManualStageOption([[0], [1]], [(1, 4)])
-    with pytest.raises(ValueError, match=r"unknown per-stage auto-sharding option\(s\) \['force_everything'\]"):
-        al.ManualStageOption([[0]], [(1, 4)], None, [{"force_everything": 1}])
+    with pytest.raises(ValueError, match=r"per-stage auto-sharding option\(s\) \['force_zero_stage_3'\] are not supported"):
+        al.ManualStageOption([[0]], [(1, 4)], None, [{"force_zero_stage_3": True}])
     with pytest.raises(ValueError, match="8 devices do not split evenly over 3 stages"):
         al.parallelize(mlp.train_step, cluster=cluster, method=al.PipeshardParallel(
             num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=3))).plan(*mlp.args)
@@ -225,3 +295,4 @@ def test_bad_stage_options_say_what_is_wrong(mlp, cluster):
         al.parallelize(mlp.train_step, cluster=cluster, stage_option=al.UniformStageOption())
     with pytest.raises(ValueError, match="unknown logical mesh space 'some'"):
         al.parallelize(mlp.train_step, cluster=cluster, microbatches=4, logical_meshes="some")
+    assert al.parallelize(mlp.train_step, cluster=cluster, method=None).method == "alpa"  # Alpa's default method
