@@ -660,8 +660,33 @@ class ParallelizedStep:
         return new
 
     def compiled_hlo(self, *args: Any) -> str:
-        """XLA's optimised HLO of the current plan (what XLA really runs)."""
+        """XLA's optimised HLO of the current plan (what XLA really runs); a pipeline's: every unit task's, each
+        under a ``// stage s phase`` line."""
         return self.compiled(*args).lower_text(*jax.tree_util.tree_leaves(args))
+
+    def get_executable(self, *args: Any) -> Executable:
+        """Alpa's name: the current plan compiled for ``args``, whose ``get_hlo_text()`` is XLA's HLO."""
+        return Executable(self.compiled(*args), tuple(jax.tree_util.tree_leaves(args)))
+
+    def get_last_executable(self) -> Executable:
+        """Alpa's name: ``get_executable`` for the arguments of the last call or plan."""
+        if getattr(self, "_last_args", None) is None:
+            raise ValueError("nothing was planned or run yet: call the step (or step.plan(...)) first, or use get_executable(*args)")
+        return self.get_executable(*self._last_args)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Executable:
+    """A compiled plan as Alpa's tests look at it: ``get_hlo_text()`` is XLA's optimised HLO (a single mesh's
+    program; a pipeline's unit tasks, one text each, in (stage, phase) order)."""
+
+    compiled: CompiledPlan | CompiledPipeline
+    flat_args: tuple
+
+    def get_hlo_text(self) -> str | list[str]:
+        if isinstance(self.compiled, CompiledPipeline):
+            return [text for _, text in sorted(self.compiled.task_hlo().items())]
+        return self.compiled.lower_text(*self.flat_args)
 
 
 def trace_microbatched(

@@ -296,3 +296,30 @@ def test_bad_stage_options_say_what_is_wrong(mlp, cluster):
     with pytest.raises(ValueError, match="unknown logical mesh space 'some'"):
         al.parallelize(mlp.train_step, cluster=cluster, microbatches=4, logical_meshes="some")
     assert al.parallelize(mlp.train_step, cluster=cluster, method=None).method == "alpa"  # Alpa's default method
+
+
+def test_executables_show_xlas_hlo_as_alpas_tests_read_it(mlp):
+    """``get_executable(...).get_hlo_text()`` / ``get_last_executable()`` (Alpa's names): XLA's optimised HLO. Oracle:
+    a data-parallel step's gradients are all-reduced in it, and the plan's own predicted collectives say so too;
+    a pipeline gives one text per unit task, the same as ``compiled_hlo`` joins."""
+    from alpa_lab.plan.single import count_hlo_collectives
+
+    cluster = al.ClusterSpec.local(1, 4, calibrated=False)
+    step = al.parallelize(mlp.train_step, cluster=cluster, method=al.DataParallel())
+    with pytest.raises(ValueError, match="nothing was planned or run yet"):
+        step.get_last_executable()
+    step(mlp.state, mlp.batch)
+    text = step.get_last_executable().get_hlo_text()
+    assert text == step.get_executable(*mlp.args).get_hlo_text()
+    assert count_hlo_collectives(text).get("all-reduce", 0) > 0
+    assert dict(step.current_plan.predicted_collectives()).get("all-reduce", 0) > 0
+    pipelined = al.parallelize(mlp.train_step, cluster=al.ClusterSpec.local(2, 4, calibrated=False), method=al.PipeshardParallel(
+        num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2), default_auto_sharding_option=al.AutoShardingOption(
+            force_data_parallel=True)))
+    texts = pipelined.get_executable(*mlp.args).get_hlo_text()
+    plan = pipelined.current_plan
+    assert isinstance(texts, list) and len(texts) == 3 * plan.num_stages  # forward, backward, update per stage
+    assert all(t.startswith("HloModule") for t in texts)
+    joined = pipelined.compiled_hlo(*mlp.args)
+    assert all(t in joined for t in texts) and joined.count("// stage ") == len(texts)
+    assert sum(count_hlo_collectives(t).get("all-reduce", 0) for t in texts) > 0  # each stage's gradients, data parallel

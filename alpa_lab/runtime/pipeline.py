@@ -84,6 +84,28 @@ class CompiledPipeline:
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
 
+    def task_hlo(self) -> dict[tuple[int, str], str]:
+        """XLA's optimised HLO of every unit task, (stage, phase) -> text (the update's pieces as (stage, "apply"),
+        joined): what each mesh really runs, to count the collectives XLA inserted. Lowered on abstract arguments
+        with the tasks' shardings, so nothing is allocated."""
+        from alpa_lab.graph.opgraph import dtype_of
+
+        def text(task: UnitTask) -> str:
+            args = [jax.ShapeDtypeStruct(self.graph.vars[v].shape, dtype_of(self.graph.vars[v].dtype), sharding=sh)
+                    for v, sh in zip(task.invars, task.in_shardings)]
+            return task.fn.lower(*args).compile().as_text()
+
+        out = {key: text(task) for key, task in self.tasks.items() if task.invars or task.outvars}
+        for task in self.update:
+            key = (task.stage, APPLY)
+            out[key] = out[key] + "\n" + text(task) if key in out else text(task)
+        return out
+
+    def lower_text(self, *flat_args: Any) -> str:
+        """Every unit task's optimised HLO, one after another under a ``// stage s phase`` line (the arguments are
+        not needed: the tasks' shapes are the plan's; accepted as the single-mesh ``CompiledPlan.lower_text``)."""
+        return "\n".join(f"// stage {s} {phase}\n{hlo}" for (s, phase), hlo in sorted(self.task_hlo().items()))
+
 
 def _mesh(device_ids: Sequence[int], shape: tuple[int, int], devices: list) -> Mesh:
     return Mesh(np.array([devices[i] for i in device_ids], dtype=object).reshape(shape), ("x", "y"))
