@@ -306,7 +306,7 @@ class ParallelizedStep:
             stage_pins=self.stage_option is not None,
         )
         if pins:
-            plan = plan._replan(plan._current_stages(), pins, False)
+            plan = plan._replan(plan._current_stages(), pins, plan.stage_pins)
         return plan
 
     def _stage_timer(self, split: tuple[bool, ...]) -> Any:

@@ -323,3 +323,14 @@ def test_executables_show_xlas_hlo_as_alpas_tests_read_it(mlp):
     joined = pipelined.compiled_hlo(*mlp.args)
     assert all(t in joined for t in texts) and joined.count("// stage ") == len(texts)
     assert sum(count_hlo_collectives(t).get("all-reduce", 0) for t in texts) > 0  # each stage's gradients, data parallel
+
+
+def test_op_pins_keep_the_fixed_stages(mlp, cluster):
+    """``step.plan(..., pins=...)`` on a step whose stages a stage option fixes: the pins re-plan those stages,
+    which stay fixed (and pinned) rather than handed back to the DP."""
+    step = al.parallelize(mlp.train_step, cluster=cluster, method=al.PipeshardParallel(
+        num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=4)))
+    plan = step.plan(*mlp.args)
+    op = next(o for o in plan.stages[0].plan.ops if o.kind == "op" and o.name.startswith("dot_general"))
+    pinned = step.plan(*mlp.args, pins={op.name: op.strategy})
+    assert pinned.stage_pins and stages_of(pinned) == stages_of(plan) and dict(pinned.pins) == {op.name: op.strategy}
