@@ -28,21 +28,10 @@ from alpa_lab.graph.trace import TraceError, trace
 from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError
 from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
+from alpa_lab.parallel_method import __all__ as _ALPA_METHODS  # Alpa's method objects (the module loads no pass)
 
 _LAZY = {
-    "AutoLayerOption": "alpa_lab.parallel_method",
-    "AutoShardingOption": "alpa_lab.parallel_method",
-    "AutoStageOption": "alpa_lab.parallel_method",
-    "DataParallel": "alpa_lab.parallel_method",
-    "ManualLayerOption": "alpa_lab.parallel_method",
-    "ManualPipeshardParallel": "alpa_lab.parallel_method",
-    "ManualStageOption": "alpa_lab.parallel_method",
-    "MethodOptionError": "alpa_lab.parallel_method",
-    "PipeshardParallel": "alpa_lab.parallel_method",
-    "ShardParallel": "alpa_lab.parallel_method",
-    "UniformStageOption": "alpa_lab.parallel_method",
-    "Zero2Parallel": "alpa_lab.parallel_method",
-    "Zero3Parallel": "alpa_lab.parallel_method",
+    **{name: "alpa_lab.parallel_method" for name in _ALPA_METHODS},  # Alpa's method objects and options
     "InfeasibleError": "alpa_lab.passes.ilp",
     "InterOpError": "alpa_lab.passes.inter_op",
     "METHODS": "alpa_lab.passes.methods",
@@ -73,19 +62,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "AutoLayerOption",
-    "AutoShardingOption",
-    "AutoStageOption",
-    "DataParallel",
-    "ManualLayerOption",
-    "ManualPipeshardParallel",
-    "ManualStageOption",
-    "MethodOptionError",
-    "PipeshardParallel",
-    "ShardParallel",
-    "UniformStageOption",
-    "Zero2Parallel",
-    "Zero3Parallel",
+    *_ALPA_METHODS,
     "METHODS",
     "PRESETS",
     "ClusterError",

@@ -9,6 +9,7 @@ current plan, compiled once). It holds the *current plan*; editing returns new p
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import time
 import warnings
@@ -128,9 +129,8 @@ class ParallelizedStep:
             given = {"microbatches": microbatches, "schedule": schedule, "layers": layers, "remat": remat,
                      "submesh_space": submesh_space, "logical_meshes": logical_meshes, "stage_option": stage_option,
                      "max_stages": max_stages}
-            defaults = {"microbatches": None, "schedule": "1f1b", "layers": None, "remat": False, "submesh_space": "all",
-                        "logical_meshes": "all", "stage_option": None, "max_stages": None}
-            passed = sorted(k for k in given if given[k] != defaults[k])
+            defaults = inspect.signature(ParallelizedStep.__init__).parameters
+            passed = sorted(k for k in given if given[k] != defaults[k].default)
             if passed:  # the method object says how to pipeline (or not): one place for it
                 raise ValueError(
                     f"method={type(method).__name__}(...) says how the step is pipelined; drop "

@@ -20,7 +20,8 @@ sub-meshes, each viewed as its own shape: ``UniformStageOption``), not by the st
 logical meshes); ``layer_option="manual"`` cuts only at ``mark_pipeline_boundary()``.
 
 Pure data: nothing here plans; ``api.parallelize`` reads ``options()`` and the stage options
-give ``passes.pipeline.plan_pipeline`` its fixed stages (``assign``).
+give ``passes.pipeline.plan_pipeline`` its fixed stages (``assign``, sharing ``passes.submesh.even_submesh``
+with ``fixed_stages``' default split).
 """
 
 from __future__ import annotations
@@ -256,13 +257,14 @@ class UniformStageOption:
                 f"uniform stages: {devices} devices do not split evenly over {stages} stages (one per layer unless "
                 "num_stages says): use AutoLayerOption(layer_num=...) with a divisor of the device count, or "
                 "stage_option='auto'")
+        from alpa_lab.passes.submesh import even_submesh  # here: importing this module (alpa_lab's does) loads no pass
+
         flops = [sum(problem.graph.ops[i].flops for i in problem.slicing.ops_of([layer])) for layer in range(num_layers)]
         ranges = balanced_ranges(flops, stages)
         if self.submesh_physical_shape is not None:
             shape = tuple(self.submesh_physical_shape)
         else:
-            size, per_host = devices // stages, problem.cluster.devices_per_host
-            shape = (1, size) if size <= per_host else (size // per_host, per_host)
+            shape = even_submesh(problem.cluster.hosts, problem.cluster.devices_per_host, stages)
         logical = shape if self.submesh_logical_shape is None else tuple(self.submesh_logical_shape)
         return ranges, [shape] * stages, [logical] * stages
 
@@ -416,10 +418,11 @@ class PipeshardParallel(ParallelMethod):
         else:
             raise MethodOptionError(
                 f"layer_option must be AutoLayerOption(layer_num=...), 'manual' or ManualLayerOption(), got {layer!r}")
-        stage = {"auto": AutoStageOption(), "uniform": UniformStageOption(), None: UniformStageOption()}.get(
-            self.stage_option, self.stage_option) if isinstance(self.stage_option, (str, type(None))) else self.stage_option
-        if isinstance(stage, str):
-            raise MethodOptionError(f"stage_option must be 'auto', 'uniform' or a stage option object, got {stage!r}")
+        stage = self.stage_option
+        if stage is None or stage == "uniform":
+            stage = UniformStageOption()
+        elif stage == "auto":
+            stage = AutoStageOption()
         if isinstance(stage, AutoStageOption):  # its use_hlo_cost_model: parallelize(cost_model=...) says how stages are priced
             out.update(submesh_space=stage.submesh_physical_shape_space, logical_meshes=stage.submesh_logical_shape_space)
         elif isinstance(stage, (ManualStageOption, UniformStageOption)):
@@ -456,9 +459,10 @@ class _WholeCluster:
     ``num_micro_batches``)."""
 
     def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], None]:
+        from alpa_lab.passes.submesh import even_submesh
+
         c = problem.cluster
-        shape = (1, c.devices_per_host) if c.hosts == 1 else (c.hosts, c.devices_per_host)
-        return [[0, problem.slicing.num_layers - 1]], [shape], None
+        return [[0, problem.slicing.num_layers - 1]], [even_submesh(c.hosts, c.devices_per_host, 1)], None
 
 
 _WHOLE_CLUSTER = _WholeCluster()

@@ -52,7 +52,7 @@ from alpa_lab.passes.schedule import (
     one_f_one_b_windows, simulate, warmup_makespan,
 )
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
-from alpa_lab.passes.submesh import PlacementError, check_submesh_space, place_submeshes, submesh_shapes
+from alpa_lab.passes.submesh import PlacementError, check_submesh_space, even_submesh, place_submeshes, submesh_shapes
 from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
@@ -72,6 +72,8 @@ def in_logical_space(space: str, submesh: Shape, logical: Shape, devices_per_hos
     if space == "data_parallel_only":
         return logical[1] == 1
     return True
+
+
 LAYER_GRAPHS_KEPT = 16
 
 __all__ = [
@@ -1346,9 +1348,7 @@ def fixed_stages(
             raise InterOpError(
                 f"cannot split {N * M} devices evenly over {len(ranges)} stages; give submeshes=[...] explicitly"
             )
-        size = N * M // len(ranges)
-        shape = (1, size) if size <= M else (size // M, M)
-        submeshes = [shape] * len(ranges)
+        submeshes = [even_submesh(N, M, len(ranges))] * len(ranges)
     submeshes = [tuple(s) for s in submeshes]
     if len(submeshes) != len(ranges):
         raise InterOpError(f"{len(ranges)} stages but {len(submeshes)} sub-meshes")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SUBMESH_SPACES", "Placement", "PlacementError", "check_submesh_space", "place_submeshes", "submesh_shapes"]
+__all__ = ["SUBMESH_SPACES", "Placement", "PlacementError", "check_submesh_space", "even_submesh", "place_submeshes", "submesh_shapes"]
 
 SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two")
 """Whole-host shapes (n, M) searched: every n = 2..N (the paper's space), powers of two
@@ -45,6 +45,13 @@ def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
             raise ValueError(f"{name} must be an int, got {value!r}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def even_submesh(num_hosts: int, devices_per_host: int, parts: int) -> tuple[int, int]:
+    """The sub-mesh of each of ``parts`` equal shares of an N x M cluster (``parts`` dividing N * M): a piece of
+    one host, (1, N*M/parts), or whole hosts, (N*M/parts/M, M)."""
+    size = num_hosts * devices_per_host // parts
+    return (1, size) if size <= devices_per_host else (size // devices_per_host, devices_per_host)
 
 
 def submesh_shapes(num_hosts: int, devices_per_host: int, space: str = "all") -> list[tuple[int, int]]:
