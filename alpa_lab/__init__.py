@@ -25,7 +25,7 @@ import importlib as _importlib
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
 from alpa_lab.graph.markers import grad, mark_pipeline_boundary, mark_stage_boundary, value_and_grad
 from alpa_lab.graph.trace import TraceError, trace
-from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError
+from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, count_communication_primitives
 from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 from alpa_lab.parallel_method import __all__ as _ALPA_METHODS  # Alpa's method objects (the module loads no pass)
@@ -38,6 +38,11 @@ _LAZY = {
     "MethodError": "alpa_lab.passes.methods",
     "ParallelizedStep": "alpa_lab.api",
     "parallelize": "alpa_lab.api",
+    "init": "alpa_lab.api",  # Alpa's session: where steps without a cluster run
+    "shutdown": "alpa_lab.api",
+    "get_global_cluster": "alpa_lab.api",
+    "get_global_num_devices": "alpa_lab.api",
+    "clear_executable_cache": "alpa_lab.api",
     "plan_graph": "alpa_lab.api",
     "RayCluster": "alpa_lab.runtime.ray_cluster",
     "RayClusterError": "alpa_lab.runtime.ray_cluster",
@@ -85,11 +90,17 @@ __all__ = [
     "ShardingSpec",
     "ShardingSpecError",
     "TraceError",
+    "clear_executable_cache",
+    "count_communication_primitives",
+    "get_global_cluster",
+    "get_global_num_devices",
     "grad",
+    "init",
     "mark_pipeline_boundary",
     "mark_stage_boundary",
     "parallelize",
     "plan_graph",
+    "shutdown",
     "trace",
     "value_and_grad",
 ]

@@ -13,6 +13,7 @@ import inspect
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Mapping
 
 import jax
@@ -99,6 +100,119 @@ def plan_graph(
     if best is None:
         raise MethodError("; ".join(errors))
     return dataclasses.replace(best, mesh_candidates=tuple(tried))
+
+
+@dataclasses.dataclass
+class _Session:
+    """What ``init`` set up: the cluster kind asked for, its arguments, and the Ray cluster (None: "local")."""
+
+    kind: str | None = None
+    asked: tuple = ()
+    ray: Any = None
+
+
+_SESSION = _Session()
+_STEPS: weakref.WeakSet = weakref.WeakSet()  # every ParallelizedStep alive: for shutdown and clear_executable_cache
+CLUSTER_KINDS = ("ray", "local")
+
+
+def init(
+    cluster: str = "ray", cluster_address: str | None = None, num_nodes: int | None = None,
+    num_devices_per_node: int | None = None, namespace: str | None = None, *, dashboard: bool = False,
+) -> Any:
+    """Alpa's ``alpa.init``: choose where parallelized steps run, for the steps that were given no cluster.
+
+    ``"ray"``: on the mesh workers of a Ray cluster. It joins ``cluster_address`` (or ``RAY_ADDRESS``, or the
+    Ray this process already runs: ``RayCluster.connect``), else starts a local Ray on 127.0.0.1 with
+    ``num_nodes`` x ``num_devices_per_node`` simulated CPU devices (2 x 4 by default: ``RayCluster.local``).
+    Such steps plan for that cluster and their calls run there. ``"local"``: in this process, on its devices
+    (as without ``init``). Returns the ``RayCluster`` (None for "local"). Called again with the same
+    arguments it does nothing, as Alpa's; with others it says to ``shutdown()`` first. ``namespace`` (Alpa's
+    Ray namespace for its named actors) is accepted and unused: mesh workers are not named.
+    """
+    if cluster not in CLUSTER_KINDS:
+        raise ValueError(
+            f"unknown cluster {cluster!r} for alpa_lab.init: choose 'ray' (mesh workers on a Ray cluster) or 'local' "
+            "(this process's devices)")
+    for name, v in (("num_nodes", num_nodes), ("num_devices_per_node", num_devices_per_node)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    asked = (cluster, cluster_address, num_nodes, num_devices_per_node, dashboard)
+    if _SESSION.kind is not None:
+        if _SESSION.asked == asked and (_SESSION.ray is None or not _SESSION.ray._closed):
+            return _SESSION.ray
+        raise RuntimeError(
+            f"alpa_lab.init was already called ({_SESSION.asked[0]!r}); call alpa_lab.shutdown() before init({cluster!r}, ...)")
+    if cluster == "local":
+        if num_nodes not in (None, 1) or cluster_address is not None:
+            raise ValueError("init('local') is this process's devices (one host): drop num_nodes and cluster_address, or use init('ray')")
+        if num_devices_per_node is not None and num_devices_per_node != jax.device_count():
+            raise ValueError(
+                f"this process has {jax.device_count()} devices, not {num_devices_per_node}: set ALPA_LAB_CPU_DEVICES before "
+                "importing alpa_lab (simulated devices), or use init('ray', num_devices_per_node=...)")
+        _SESSION.kind, _SESSION.asked, _SESSION.ray = cluster, asked, None
+        return None
+    import os
+
+    from alpa_lab.runtime.ray_cluster import RayCluster, RayClusterError, _ray
+
+    address = cluster_address or os.environ.get("RAY_ADDRESS") or ("auto" if _ray().is_initialized() else None)
+    if address is not None:
+        ray_cluster = RayCluster.connect(address, devices_per_host=num_devices_per_node)
+        if num_nodes is not None and num_nodes != ray_cluster.hosts:
+            raise RayClusterError(
+                f"the Ray cluster at {address!r} has {ray_cluster.hosts} nodes, not num_nodes={num_nodes}: a subset of its "
+                "nodes is not supported; drop num_nodes")
+    else:
+        ray_cluster = RayCluster.local(num_nodes or 2, num_devices_per_node or 4, dashboard=dashboard)
+    _SESSION.kind, _SESSION.asked, _SESSION.ray = cluster, asked, ray_cluster
+    return ray_cluster
+
+
+def shutdown() -> None:
+    """Alpa's ``alpa.shutdown``: close the runs of the steps on ``init``'s Ray cluster and stop it (a Ray this
+    process started; one it joined is only left). Steps bound to it then say so when called."""
+    if _SESSION.kind is None:
+        raise RuntimeError("alpa_lab.shutdown() without alpa_lab.init(): there is nothing to shut down")
+    ray_cluster = _SESSION.ray
+    _SESSION.kind, _SESSION.asked, _SESSION.ray = None, (), None
+    if ray_cluster is None:
+        return
+    for step in list(_STEPS):
+        if step.ray_cluster is ray_cluster and step.ray_run is not None:
+            try:
+                step.ray_run.close()
+            except Exception:  # noqa: BLE001 - a run whose workers already died: nothing left to close
+                pass
+            step.ray_run = None
+    ray_cluster.shutdown()
+
+
+def get_global_cluster() -> Any:
+    """Alpa's name: the ``RayCluster`` of ``init("ray")``; None without one (steps run in this process)."""
+    return _SESSION.ray
+
+
+def get_global_num_devices() -> int:
+    """Alpa's name: the devices steps without a cluster plan for: ``init("ray")``'s cluster's, else this process's."""
+    if _SESSION.ray is not None:
+        return _SESSION.ray.hosts * _SESSION.ray.devices_per_host
+    return jax.device_count()
+
+
+def clear_executable_cache() -> None:
+    """Alpa's name: the next call of every step compiles again, and plans again where the step's plan is its
+    own (unedited); a plan a user edited, pinned or loaded stays current. Traces go too."""
+    for step in list(_STEPS):
+        with step._cache_lock:
+            own = step.current_plan is not None and step._own_plans.get(step.current_plan.fingerprint) is step.current_plan
+            step._compiled.clear()
+            step._own_plans.clear()
+            step._graphs.clear()
+            step._splits.clear()
+            step._problems.clear()
+        if own:
+            step.current_plan = None
 
 
 class ParallelizedStep:
@@ -191,9 +305,11 @@ class ParallelizedStep:
         self.logical_meshes = logical_meshes
         self.stage_option = stage_option
         self.batch_argnums = check_batch_argnums(batch_argnums)
+        self._alpa_batch = self.parallel_method is not None and self.batch_argnums is None
+        """a method object without batch_argnums: Alpa's default, the batch is argument 1 (where the step has one)"""
         self.remat = remat
         self.fn = fn
-        self.cluster = cluster if cluster is not None else ClusterSpec.default()
+        self._cluster = cluster  # None: the session's (``init``) or this process's, settled on first use (``cluster``)
         if mesh_shape is not None:
             self.cluster.logical_mesh(mesh_shape)  # fail early on a mesh that does not fit
         self.mesh_shape = mesh_shape
@@ -211,7 +327,27 @@ class ParallelizedStep:
         plans those (or takes their plan from here), as ``jax.jit`` traces again; an edited, pinned or
         loaded plan is the user's, and other shapes are an error for it"""
         self.__name__ = getattr(fn, "__name__", "step")
+        _STEPS.add(self)
         self.__doc__ = getattr(fn, "__doc__", None)
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The cluster this step plans for: the one given to ``parallelize``; else, settled on first use (as
+        Alpa compiles on the first call), the Ray cluster of ``init("ray")``, whose mesh workers then run the
+        step's calls (``on_ray``), or this process's devices (``ClusterSpec.default``)."""
+        if self._cluster is None:
+            session = _SESSION.ray
+            if session is not None and not session._closed:
+                self._cluster = session.spec
+                if not self._ray_chosen:
+                    self.ray_cluster = session
+            else:
+                self._cluster = ClusterSpec.default()
+        return self._cluster
+
+    @cluster.setter
+    def cluster(self, cluster: ClusterSpec) -> None:
+        self._cluster = cluster
 
     # ----- tracing and planning ----------------------------------------------------------
     @property
@@ -231,7 +367,7 @@ class ParallelizedStep:
             if self.pipelined:
                 graph, split = trace_microbatched(
                     self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
-                    layers_asked=self.layers is not None, batch_argnums=self.batch_argnums,
+                    layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args),
                 )
             else:
                 graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
@@ -246,17 +382,26 @@ class ParallelizedStep:
     def _batch_vars(self, args: tuple) -> frozenset[int] | None:
         """The traced program's arguments that ``batch_argnums`` names (None: none named): a single-mesh plan's
         data-parallel methods split these."""
-        if self.batch_argnums is None:
+        batch_argnums = self._batch_argnums(args)
+        if batch_argnums is None:
             return None
         graph = self.trace(*args)
-        named = named_leaves(args, self.batch_argnums)
-        _refuse_named_state(self.fn, args, self.batch_argnums, named, graph)
-        return frozenset(v for v, s in zip(graph.invars, named_batch(args, self.batch_argnums)) if s)
+        named = named_leaves(args, batch_argnums)
+        _refuse_named_state(self.fn, args, batch_argnums, named, graph)
+        return frozenset(v for v, s in zip(graph.invars, named_batch(args, batch_argnums)) if s)
 
-    def _named_split(self, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
+    def _batch_argnums(self, args: tuple) -> tuple[int, ...] | None:
+        """The batch arguments of a call with ``args``: those named, or with an Alpa method object and no
+        ``batch_argnums`` Alpa's default ``(1,)`` (``train_step(state, batch)``) where the call has a second
+        argument; None: found from the shapes (``trace_microbatched``)."""
+        if self._alpa_batch and len(args) >= 2:
+            return (1,)
+        return self.batch_argnums
+
+    def _named_split(self, args: tuple, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
         """A pipelined step's cut arguments as the program's vars where ``batch_argnums`` named them (None: the rule's,
         which the data-parallel methods find per piece)."""
-        return None if self.batch_argnums is None else frozenset(v for v, s in zip(graph.invars, split) if s)
+        return None if self._batch_argnums(args) is None else frozenset(v for v, s in zip(graph.invars, split) if s)
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
@@ -283,7 +428,7 @@ class ParallelizedStep:
             progress=progress,
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
-            batch_vars=self._named_split(graph, split),
+            batch_vars=self._named_split(args, graph, split),
             logical_meshes=self.logical_meshes,
             fixed=None if self.stage_option is None else self.stage_option.assign,
         )
@@ -385,7 +530,7 @@ class ParallelizedStep:
                     problem = self._problems.get(graph.fingerprint)
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
                         problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
-                        problem.batch_vars = self._named_split(graph, self._split(*args))
+                        problem.batch_vars = self._named_split(args, graph, self._split(*args))
                         if dict(plan.cluster) == self.cluster.to_dict():
                             with self._cache_lock:
                                 _keep(self._problems, graph.fingerprint, problem)
@@ -478,15 +623,27 @@ class ParallelizedStep:
             self.ray_run.close()
         self.ray_run = None
         self.ray_cluster = cluster
+        self._ray_chosen = True  # the session's cluster (``init``) no longer applies to this step
         self._ray_options = dict(launch_options)
         return self
 
     ray_cluster: Any = None
     ray_run: Any = None
     _ray_state: Any = None
+    _ray_chosen = False
+    _ray_options: dict = {}
 
     def _call_on_ray(self, args: tuple) -> Any:
         state, rest = args[0], args[1:]
+        if self.ray_cluster._closed:
+            from alpa_lab.runtime.ray_run import LaunchError
+
+            raise LaunchError(
+                f"the Ray cluster step {self.__name__!r} runs on was shut down (alpa_lab.shutdown() or RayCluster.shutdown()): "
+                "start one (alpa_lab.init('ray')) and parallelize the step again, or step.on_ray(None) to run it in this process"
+            )
+        if self.current_plan is None:  # the first call plans, as in this process
+            self.plan(*args)
         run = self.ray_run
         if run is None or run.closed or run.plan is not self.current_plan or state is not self._ray_state:
             if run is not None:
@@ -495,6 +652,8 @@ class ParallelizedStep:
             self.ray_run = run = self.launch(self.ray_cluster, state, *rest, **options)
         out = run.step(*rest)
         self._ray_state = run.last_state if run.last_state_step == run.steps_done else run.state()
+        if self.trace(*args).out_tree == jax.tree_util.tree_structure(state):  # the step returns its new state alone
+            return self._ray_state
         others = out if isinstance(out, tuple) and len(out) != 1 else (out,)
         return (self._ray_state, *others)
 
@@ -518,6 +677,7 @@ class ParallelizedStep:
         return graph
 
     def __call__(self, *args: Any) -> Any:
+        self.cluster  # noqa: B018 - settles the cluster (and the session's Ray, if any) before the first call
         # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
         # jax.jit traces again (only a call plans anew: a launch or a run takes a kept plan for its shapes, or fails)
         graph = self._own_plan_for(args, plan_new=True)
@@ -687,6 +847,46 @@ class Executable:
         if isinstance(self.compiled, CompiledPipeline):
             return [text for _, text in sorted(self.compiled.task_hlo().items())]
         return self.compiled.lower_text(*self.flat_args)
+
+    @property
+    def plan(self) -> Plan | PipelinePlan:
+        """The plan this program was compiled from."""
+        return self.compiled.plan
+
+    @property
+    def auto_sharding_objective(self) -> float | None:
+        """The intra-op ILP's objective of a single-mesh plan (eq. 1: predicted seconds per step, where Alpa's
+        are its own cost units); None for a pipeline, which has one per stage (``plan.stages[i].plan.objective``)."""
+        return None if isinstance(self.compiled, CompiledPipeline) else float(self.compiled.plan.objective)
+
+    def get_total_allocation_size(self) -> int:
+        """Bytes XLA allocates per device to run the single-mesh program (arguments, results and temporaries,
+        less results that reuse argument buffers: XLA's ``memory_analysis``), to compare with the plan's memory."""
+        if isinstance(self.compiled, CompiledPipeline):
+            raise ValueError(
+                "a pipeline's memory is per mesh and changes while micro-batches are in flight: see plan.stages[i].memory "
+                "(eq. 5) and the run's measured memory (run.profile())")
+        args = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh) for x, sh in zip(self.flat_args, self.compiled.in_shardings)]
+        m = self.compiled.fn.lower(*args).compile().memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+    def dump_debug_info(self, folder: str) -> list[str]:
+        """Write the plan (``plan.json``) and XLA's optimised HLO (``program.hlo``; a pipeline's per unit task,
+        ``stage{s}_{phase}.hlo``) into ``folder``; returns the files written."""
+        import os
+
+        os.makedirs(folder, exist_ok=True)
+        written = [os.path.join(folder, "plan.json")]
+        self.plan.save(written[0])
+        if isinstance(self.compiled, CompiledPipeline):
+            texts = {f"stage{s}_{phase}.hlo": text for (s, phase), text in sorted(self.compiled.task_hlo().items())}
+        else:
+            texts = {"program.hlo": self.get_hlo_text()}
+        for name, text in texts.items():
+            written.append(os.path.join(folder, name))
+            with open(written[-1], "w") as f:
+                f.write(text)
+        return written
 
 
 def trace_microbatched(

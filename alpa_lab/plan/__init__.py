@@ -30,6 +30,7 @@ from alpa_lab.plan.single import (
     PlanProblem,
     ReshardingPlan,
     TensorPlan,
+    count_communication_primitives,
     count_hlo_collectives,
 )
 from alpa_lab.plan.timeline import SCHEDULE_NAMES, Timeline, TimelineRecord, pipeline_latency
@@ -55,6 +56,7 @@ __all__ = [
     "TensorPlan",
     "Timeline",
     "TimelineRecord",
+    "count_communication_primitives",
     "count_hlo_collectives",
     "memory_per_mesh",
     "pipeline_latency",

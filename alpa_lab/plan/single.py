@@ -526,6 +526,33 @@ def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
     return dict(count)
 
 
+_HLO_INSTRUCTION = re.compile(r"=\s*(.*?)\s*\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_SCALARS = re.compile(r"\(?\s*(?:\w+\[\](?:\{\})?\s*,?\s*)+\)?")
+
+
+def count_communication_primitives(hlo_text: str | Sequence[str], ignore_scalar_all_reduce: bool = False) -> tuple[int, int, int, int, int]:
+    """Alpa's ``count_communication_primitives``: collective instructions in optimised HLO, as
+    (total, all-reduce, all-gather, reduce-scatter, all-to-all); total also counts collective-permutes.
+
+    Instructions, not operands (``count_hlo_collectives`` counts operands): a combined all-reduce of
+    every gradient is one. An async pair counts once (its ``-start``). A pipeline's texts (a list,
+    ``Executable.get_hlo_text()``) are summed. ``ignore_scalar_all_reduce`` leaves out all-reduces of
+    scalars (a loss or a norm summed over the devices).
+    """
+    texts = [hlo_text] if isinstance(hlo_text, str) else list(hlo_text)
+    count: Counter = Counter()
+    for text in texts:
+        for line in text.splitlines():
+            m = _HLO_INSTRUCTION.search(line)
+            if m is None:
+                continue
+            if ignore_scalar_all_reduce and m.group(2) == "all-reduce" and _SCALARS.fullmatch(m.group(1)):
+                continue
+            count[m.group(2)] += 1
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+    return (sum(count.values()), *(count[k] for k in kinds))
+
+
 def _signed_pct(before: float, after: float) -> str:
     if before == 0:
         return "n/a"

@@ -413,9 +413,14 @@ def launch(
         keep_state_every = 1 if state_bytes <= KEEP_EVERY_STEP_BYTES else 100
     if isinstance(keep_state_every, bool) or not isinstance(keep_state_every, int) or keep_state_every < 0:
         raise LaunchError(f"keep_state_every must be a number of steps (0: never), got {keep_state_every!r}")
-    out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
+    if graph.out_tree == state_tree:  # ``return new_state``: the state and nothing else (run.step then returns ())
+        out_children = [state_tree]
+    else:
+        out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
     if not out_children or out_children[0] != state_tree:
-        raise LaunchError("the step must return (new_state, ...) with the same structure as the state it takes, as step(state, batch) does")
+        raise LaunchError(
+            "the step must return new_state or (new_state, ...) with the same structure as the state it takes, as "
+            "step(state, batch) does")
     rest_tree = jax.tree_util.treedef_tuple(out_children[1:])  # the results after the state, nested as returned
     t1 = time.perf_counter()
     try:
