@@ -109,11 +109,24 @@ class _Session:
     kind: str | None = None
     asked: tuple = ()
     ray: Any = None
+    joined: bool = False
+    """the Ray was running in this process before ``init`` (the user's own): ``shutdown`` leaves it running"""
+    generation: int = 0
+    """counts ``init`` and ``shutdown`` calls: a step settled in an earlier session settles again"""
 
 
 _SESSION = _Session()
+_SESSION_LOCK = threading.RLock()
 _STEPS: weakref.WeakSet = weakref.WeakSet()  # every ParallelizedStep alive: for shutdown and clear_executable_cache
+_RUNS: weakref.WeakSet = weakref.WeakSet()  # every RayRun and TrainingRun a step started: shutdown ends those on its cluster
 CLUSTER_KINDS = ("ray", "local")
+
+
+def _session_cluster() -> tuple[int, Any]:
+    """(generation, the session's open Ray cluster or None: then steps without a cluster plan for this process's)."""
+    with _SESSION_LOCK:
+        ray_cluster = _SESSION.ray if _SESSION.ray is not None and not _SESSION.ray._closed else None
+        return _SESSION.generation, ray_cluster
 
 
 def init(
@@ -138,54 +151,86 @@ def init(
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     asked = (cluster, cluster_address, num_nodes, num_devices_per_node, dashboard)
-    if _SESSION.kind is not None:
-        if _SESSION.asked == asked and (_SESSION.ray is None or not _SESSION.ray._closed):
+    with _SESSION_LOCK:
+        if _SESSION.kind is not None and _SESSION.ray is not None and _SESSION.ray._closed:
+            _end_session()  # its Ray was stopped by other means: start afresh
+        if _SESSION.kind is not None:
+            if _SESSION.asked != asked:  # as Alpa's: the first init stands
+                warnings.warn(
+                    f"alpa_lab.init was already called ({_SESSION.asked[0]!r}) and stands; call alpa_lab.shutdown() before "
+                    f"init({cluster!r}, ...) to change it", stacklevel=2)
             return _SESSION.ray
-        raise RuntimeError(
-            f"alpa_lab.init was already called ({_SESSION.asked[0]!r}); call alpa_lab.shutdown() before init({cluster!r}, ...)")
-    if cluster == "local":
-        if num_nodes not in (None, 1) or cluster_address is not None:
-            raise ValueError("init('local') is this process's devices (one host): drop num_nodes and cluster_address, or use init('ray')")
-        if num_devices_per_node is not None and num_devices_per_node != jax.device_count():
-            raise ValueError(
-                f"this process has {jax.device_count()} devices, not {num_devices_per_node}: set ALPA_LAB_CPU_DEVICES before "
-                "importing alpa_lab (simulated devices), or use init('ray', num_devices_per_node=...)")
-        _SESSION.kind, _SESSION.asked, _SESSION.ray = cluster, asked, None
-        return None
+        if cluster == "local":
+            if num_nodes not in (None, 1) or cluster_address is not None:
+                raise ValueError(
+                    "init('local') is this process's devices (one host): drop num_nodes and cluster_address, or use init('ray')")
+            if num_devices_per_node is not None and num_devices_per_node != jax.device_count():
+                raise ValueError(
+                    f"this process has {jax.device_count()} devices, not {num_devices_per_node}: set ALPA_LAB_CPU_DEVICES before "
+                    "importing alpa_lab (simulated devices), or use init('ray', num_devices_per_node=...)")
+            ray_cluster, joined = None, False
+        else:
+            ray_cluster, joined = _start_or_join(cluster_address, num_nodes, num_devices_per_node, dashboard)
+        _SESSION.kind, _SESSION.asked, _SESSION.ray, _SESSION.joined = cluster, asked, ray_cluster, joined
+        _SESSION.generation += 1
+        return ray_cluster
+
+
+def _start_or_join(address: str | None, num_nodes: int | None, num_devices_per_node: int | None, dashboard: bool) -> tuple[Any, bool]:
+    """``init("ray")``'s cluster, and whether it is a Ray this process already ran (left running by ``shutdown``)."""
     import os
 
     from alpa_lab.runtime.ray_cluster import RayCluster, RayClusterError, _ray
 
-    address = cluster_address or os.environ.get("RAY_ADDRESS") or ("auto" if _ray().is_initialized() else None)
-    if address is not None:
-        ray_cluster = RayCluster.connect(address, devices_per_host=num_devices_per_node)
-        if num_nodes is not None and num_nodes != ray_cluster.hosts:
-            raise RayClusterError(
-                f"the Ray cluster at {address!r} has {ray_cluster.hosts} nodes, not num_nodes={num_nodes}: a subset of its "
-                "nodes is not supported; drop num_nodes")
-    else:
-        ray_cluster = RayCluster.local(num_nodes or 2, num_devices_per_node or 4, dashboard=dashboard)
-    _SESSION.kind, _SESSION.asked, _SESSION.ray = cluster, asked, ray_cluster
-    return ray_cluster
+    running = _ray().is_initialized()
+    address = address or os.environ.get("RAY_ADDRESS") or ("auto" if running else None)
+    if address is None:
+        return RayCluster.local(num_nodes or 2, num_devices_per_node or 4, dashboard=dashboard), False
+    ray_cluster = RayCluster.connect(address, devices_per_host=num_devices_per_node)
+    wrong = []
+    if num_nodes is not None and num_nodes != ray_cluster.hosts:
+        wrong.append(f"{ray_cluster.hosts} nodes, not num_nodes={num_nodes} (a subset of its nodes is not supported)")
+    if num_devices_per_node is not None and num_devices_per_node != ray_cluster.devices_per_host:
+        wrong.append(f"{ray_cluster.devices_per_host} devices per node, not num_devices_per_node={num_devices_per_node}")
+    if wrong:
+        if not running:  # joined here: leave it as it was
+            _ray().shutdown()
+        raise RayClusterError(f"the Ray cluster at {address!r} has {' and '.join(wrong)}: drop the argument")
+    return ray_cluster, running
 
 
 def shutdown() -> None:
     """Alpa's ``alpa.shutdown``: close the runs of the steps on ``init``'s Ray cluster and stop it (a Ray this
     process started; one it joined is only left). Steps bound to it then say so when called."""
-    if _SESSION.kind is None:
-        raise RuntimeError("alpa_lab.shutdown() without alpa_lab.init(): there is nothing to shut down")
-    ray_cluster = _SESSION.ray
-    _SESSION.kind, _SESSION.asked, _SESSION.ray = None, (), None
+    with _SESSION_LOCK:
+        if _SESSION.kind is None:
+            raise RuntimeError("alpa_lab.shutdown() without alpa_lab.init(): there is nothing to shut down")
+        _end_session()
+
+
+def _end_session() -> None:
+    """Stop the training runs on the session's Ray cluster (each keeps its last state), close its Ray runs, stop
+    the Ray if ``init`` started or joined it (not one this process ran before), and forget the session."""
+    ray_cluster, joined = _SESSION.ray, _SESSION.joined
+    _SESSION.kind, _SESSION.asked, _SESSION.ray, _SESSION.joined = None, (), None, False
+    _SESSION.generation += 1
     if ray_cluster is None:
         return
-    for step in list(_STEPS):
-        if step.ray_cluster is ray_cluster and step.ray_run is not None:
-            try:
-                step.ray_run.close()
-            except Exception:  # noqa: BLE001 - a run whose workers already died: nothing left to close
-                pass
-            step.ray_run = None
-    ray_cluster.shutdown()
+    runs = list(_RUNS)
+    training = [r for r in runs if getattr(r, "on_ray", False) and r.step._ray_cluster is ray_cluster]
+    for run in training:
+        run.stop()
+    for run in training:
+        run.wait(60.0)
+    for run in [r for r in runs if getattr(r, "cluster", None) is ray_cluster]:
+        try:
+            run.close()
+        except Exception:  # noqa: BLE001 - a run whose workers already died: nothing left to close
+            pass
+    if joined:
+        ray_cluster._closed = True  # the session's view of the user's Ray: closed; the Ray itself runs on
+    else:
+        ray_cluster.shutdown()
 
 
 def get_global_cluster() -> Any:
@@ -204,15 +249,7 @@ def clear_executable_cache() -> None:
     """Alpa's name: the next call of every step compiles again, and plans again where the step's plan is its
     own (unedited); a plan a user edited, pinned or loaded stays current. Traces go too."""
     for step in list(_STEPS):
-        with step._cache_lock:
-            own = step.current_plan is not None and step._own_plans.get(step.current_plan.fingerprint) is step.current_plan
-            step._compiled.clear()
-            step._own_plans.clear()
-            step._graphs.clear()
-            step._splits.clear()
-            step._problems.clear()
-        if own:
-            step.current_plan = None
+        step._forget_own_plans()
 
 
 class ParallelizedStep:
@@ -237,6 +274,7 @@ class ParallelizedStep:
         logical_meshes: str = "all",
         stage_option: Any = None,
     ):
+        alpa_default = method is None
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
         if isinstance(method, ParallelMethod):  # Alpa's method objects: the options they mean (parallel_method)
@@ -305,13 +343,16 @@ class ParallelizedStep:
         self.logical_meshes = logical_meshes
         self.stage_option = stage_option
         self.batch_argnums = check_batch_argnums(batch_argnums)
-        self._alpa_batch = self.parallel_method is not None and self.batch_argnums is None
+        self._alpa_batch = (alpa_default or self.parallel_method is not None) and self.batch_argnums is None
         """a method object without batch_argnums: Alpa's default, the batch is argument 1 (where the step has one)"""
         self.remat = remat
         self.fn = fn
-        self._cluster = cluster  # None: the session's (``init``) or this process's, settled on first use (``cluster``)
-        if mesh_shape is not None:
-            self.cluster.logical_mesh(mesh_shape)  # fail early on a mesh that does not fit
+        self._cluster_given = cluster
+        self._cluster: ClusterSpec | None = None  # without a cluster given: settled on first use (``cluster``)
+        self._generation = -1
+        if mesh_shape is not None:  # fail early on a mesh that does not fit (the cluster is not settled by it)
+            session = _session_cluster()[1]
+            (cluster or (session.spec if session is not None else ClusterSpec.default())).logical_mesh(mesh_shape)
         self.mesh_shape = mesh_shape
         self.method = method
         self.memory_budget = memory_budget
@@ -332,22 +373,58 @@ class ParallelizedStep:
 
     @property
     def cluster(self) -> ClusterSpec:
-        """The cluster this step plans for: the one given to ``parallelize``; else, settled on first use (as
-        Alpa compiles on the first call), the Ray cluster of ``init("ray")``, whose mesh workers then run the
-        step's calls (``on_ray``), or this process's devices (``ClusterSpec.default``)."""
-        if self._cluster is None:
-            session = _SESSION.ray
-            if session is not None and not session._closed:
-                self._cluster = session.spec
+        """The cluster this step plans for: the one given to ``parallelize`` (or ``recalibrate``'s). Else it is
+        settled on first use (as Alpa compiles on the first call) and again in each new session: the Ray cluster
+        of ``init("ray")``, whose mesh workers then run the step's calls, or this process's devices. A new
+        session with another cluster drops the plans the step made itself (an edited plan stays current)."""
+        if self._cluster_given is not None:
+            return self._cluster_given
+        generation, session = _session_cluster()
+        if self._ray_chosen:  # on_ray(...) said where it runs: this process's devices, as before init existed
+            generation, session = self._generation, None
+        if self._cluster is None or generation != self._generation:
+            spec = session.spec if session is not None else (
+                self._cluster if self._ray_chosen and self._cluster is not None else ClusterSpec.default())
+            with self._cache_lock:
+                if self._cluster is not None and spec != self._cluster:
+                    self._forget_own_plans()
                 if not self._ray_chosen:
-                    self.ray_cluster = session
-            else:
-                self._cluster = ClusterSpec.default()
+                    if self.ray_run is not None and self._ray_cluster is not session:
+                        try:
+                            self.ray_run.close()
+                        except Exception:  # noqa: BLE001 - its Ray is gone already: nothing to close
+                            pass
+                        self.ray_run = None
+                    self._ray_cluster = session
+                self._cluster, self._generation = spec, generation
         return self._cluster
 
     @cluster.setter
     def cluster(self, cluster: ClusterSpec) -> None:
-        self._cluster = cluster
+        self._cluster_given = cluster
+
+    @property
+    def ray_cluster(self) -> Any:
+        """The Ray cluster whose mesh workers run this step's calls (``on_ray``, or ``init("ray")``'s); None: this process."""
+        self.cluster  # noqa: B018 - settles the session's cluster first
+        return self._ray_cluster
+
+    @ray_cluster.setter
+    def ray_cluster(self, cluster: Any) -> None:
+        self._ray_cluster = cluster
+
+    def _forget_own_plans(self) -> None:
+        """Drop the compiled programs, traces and the plans this step made itself (re-planned on the next call);
+        a plan the user edited, pinned or loaded stays current."""
+        with self._cache_lock:
+            own = self.current_plan is not None and self._own_plans.get(self.current_plan.fingerprint) is self.current_plan
+            self._compiled.clear()
+            self._own_plans.clear()
+            self._graphs.clear()
+            self._splits.clear()
+            self._problems.clear()
+        if own:
+            self.current_plan = None
 
     # ----- tracing and planning ----------------------------------------------------------
     @property
@@ -627,7 +704,7 @@ class ParallelizedStep:
         self._ray_options = dict(launch_options)
         return self
 
-    ray_cluster: Any = None
+    _ray_cluster: Any = None
     ray_run: Any = None
     _ray_state: Any = None
     _ray_chosen = False
@@ -712,6 +789,16 @@ class ParallelizedStep:
         fetch of the state) may take before the run is closed with a ``MeshWorkerError`` naming the
         workers still busy; the first step, which compiles the programs on the workers, is not timed.
         """
+        run = self._launch(cluster, state, *example, backend=backend, address=address, keep_state_every=keep_state_every,
+                           step_timeout=step_timeout)
+        _RUNS.add(run)  # alpa_lab.shutdown() closes it if it runs on the session's cluster
+        return run
+
+    def _launch(
+        self, cluster: Any, state: Any, *example: Any, backend: str, address: str | None, keep_state_every: int | None,
+        step_timeout: float | None,
+    ) -> Any:
+        """``launch`` without registering the run."""
         from alpa_lab.runtime.ray_cluster import RayCluster
         from alpa_lab.runtime.ray_run import LaunchError, launch
 
@@ -784,7 +871,9 @@ class ParallelizedStep:
 
             num_args = len(getattr(self, "_last_args", None) or (None, None)) - 1
             self._own_plan_for((state, *batch_stream(batches, max(num_args, 1))(0)), plan_new=False)
-        return TrainingRun(self, state, batches, steps=steps, **options)
+        run = TrainingRun(self, state, batches, steps=steps, **options)
+        _RUNS.add(run)  # alpa_lab.shutdown() stops it if it runs on the session's cluster
+        return run
 
     def recalibrate(self, profile: Any, *args: Any) -> Plan | PipelinePlan:
         """Plan again, from scratch, with the costs ``profile`` measured (``run.profile()``); the plan becomes current.

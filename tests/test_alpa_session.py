@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,53 @@ def train_step(state, batch):
     return state.apply_gradients(grads=grads)
 
 
+class TiedModel(nn.Module):
+    """Alpa's test_tied_embedding: the embedding used in the first stage and, transposed, in the last."""
+
+    vocab: int = 64
+    hidden: int = 32
+
+    @nn.compact
+    def __call__(self, ids):
+        emb = nn.Embed(self.vocab, self.hidden)
+        x = nn.relu(nn.Dense(self.hidden)(emb(ids)))
+        al.mark_pipeline_boundary()
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return emb.attend(x)
+
+
+def tied_state():
+    """With Alpa's test_global_norm's update: clipping by the global norm reads every stage's gradients."""
+    ids = jnp.arange(32 * 8).reshape(32, 8) % 64
+    model = TiedModel()
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), ids), tx=tx)
+    return state, {"ids": ids, "labels": (ids + 1) % 64}
+
+
+def tied_step(state, batch):
+    def loss_func(params):
+        logits = state.apply_fn(params, batch["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    loss, grads = al.value_and_grad(loss_func)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def two_steps_match_jit(p, step, state, batch) -> None:
+    ref, ref_loss = jax.jit(step)(*jax.jit(step)(state, batch)[:1], batch)
+    out, loss = p(*p(state, batch)[:1], batch)
+    assert [st.layers for st in p.current_plan.stages] == [(0, 1), (1, 2)]
+    assert_close(loss, ref_loss, "loss")
+    assert_close(out.params, ref.params, "params")
+
+
+def test_tied_embedding_and_global_norm_clipping_pipelined():
+    state, batch = tied_state()
+    p = al.parallelize(tied_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+    two_steps_match_jit(p, tied_step, state, batch)
+
+
 @pytest.fixture
 def no_session():
     yield
@@ -69,13 +117,13 @@ def test_init_local_and_its_errors(no_session):
         al.init("ray", num_nodes=0)
     assert al.init("local") is None
     assert al.init("local") is None  # again with the same arguments: nothing happens (as Alpa's)
-    with pytest.raises(RuntimeError, match=r"already called \('local'\).*shutdown\(\) before init\('ray'"):
-        al.init("ray")
+    with pytest.warns(UserWarning, match=r"already called \('local'\) and stands.*shutdown\(\) before init\('ray'"):
+        assert al.init("ray") is None  # as Alpa's: the first init stands (said, not silent)
     assert al.get_global_cluster() is None and al.get_global_num_devices() == jax.device_count()
     state, batch = mlp_state()
     step = al.parallelize(train_step, method=al.ShardParallel())
     out = step(state, batch)
-    assert step.ray_cluster is None  # "local": this process's devices
+    assert step.ray_cluster is None and step.cluster == al.ClusterSpec.default()  # "local": this process's devices
     assert_close(out.params, jax.jit(train_step)(state, batch).params, "params")
     al.shutdown()
     assert _SESSION.kind is None
@@ -100,12 +148,56 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
         out2 = step(out, batch)  # the state it returned: the run goes on, nothing relaunched
         assert_close(out2.params, jax.jit(train_step)(expected, batch).params, "params")
         assert early.cluster == cluster.spec and early.ray_cluster is cluster
+        # a weight in two meshes and an update that reads every mesh's gradients, on the mesh workers
+        tied = al.parallelize(tied_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+        two_steps_match_jit(tied, tied_step, *tied_state())
+        assert tied.ray_cluster is cluster
     finally:
         al.shutdown()
-    assert not ray.is_initialized()
+    assert not ray.is_initialized() and al.get_global_cluster() is None
+    # without a session the step runs in this process again, planned anew for its devices
+    out3 = step(out2, batch)
+    assert step.ray_cluster is None and step.cluster == al.ClusterSpec.default()
+    assert_close(out3.params, jax.jit(train_step)(jax.jit(train_step)(expected, batch), batch).params, "params")
+    # a step sent to a cluster by hand keeps it, and says when it is gone
     with pytest.raises(al.LaunchError, match="was shut down.*alpa_lab.init"):
-        step(out2, batch)
-    assert al.get_global_cluster() is None
+        tied.on_ray(cluster)(*tied_state())
+
+
+def test_sessions_on_a_ray_the_user_runs(no_session):
+    """Alpa's set-up / tear-down around a step made once (module level): init joins the Ray this process runs,
+    the step runs there, shutdown stops what runs there (a training run keeps its state) and leaves the user's
+    Ray running, and the next init's session gets the same step again."""
+    ray = pytest.importorskip("ray")
+    state, batch = mlp_state(hidden=64, batch=32)
+    step = al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+    mine = al.RayCluster.local(1, 4)
+    try:
+        first = al.init("ray")
+        assert first is not mine and (first.num_hosts, first.num_devices_per_host, first.num_devices) == (1, 4, 4)
+        out = step(state, batch)
+        assert step.ray_cluster is first and step.cluster == first.spec
+        assert [st.submesh_shape for st in step.current_plan.stages] == [(1, 2), (1, 2)]
+        assert_close(out.params, jax.jit(train_step)(state, batch).params, "params")
+        run = step.train(out, batch, steps=10_000)  # the new state alone is what the step returns
+        deadline = time.time() + 120
+        while run.monitor.steps_done < 2 and run.running and time.time() < deadline:
+            time.sleep(0.2)
+        assert run.running, run.error
+        al.shutdown()
+        assert not run.running and run.status == "stopped" and run.state_step >= 2
+        assert ray.is_initialized() and not mine._closed  # the user's Ray runs on
+        second = al.init("ray")
+        again = step(out, batch)  # the same step, in the new session: nothing to re-plan (the same cluster)
+        assert step.ray_cluster is second
+        assert_close(again.params, jax.jit(train_step)(out, batch).params, "params")
+        al.shutdown()
+        assert ray.is_initialized()
+    finally:
+        if _SESSION.kind is not None:
+            al.shutdown()
+        mine.shutdown()
+    assert not ray.is_initialized()
 
 
 def test_method_objects_take_the_batch_from_argument_1():
@@ -123,6 +215,9 @@ def test_method_objects_take_the_batch_from_argument_1():
     grads = step(state, batch)
     assert sorted(step.current_plan.split_inputs) == ["[1]['x']", "[1]['y']"]
     assert_close(grads, jax.jit(grad_step)(state, batch), "grads")
+    alpa_default = al.parallelize(grad_step, method=None, microbatches=2, layers=2)  # Alpa's parallelize(fn): the same rule
+    alpa_default(state, batch)
+    assert sorted(alpa_default.current_plan.split_inputs) == ["[1]['x']", "[1]['y']"]
     with pytest.raises(ValueError, match=r"batch_argnums=\(0,\)"):  # named otherwise: as named (here: refused)
         al.parallelize(grad_step, batch_argnums=(0,), method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))(state, batch)
 
@@ -173,15 +268,16 @@ HLO = """
   %all-gather.3 = f32[64,8]{1,0} all-gather(f32[8,8]{1,0} %all-reduce.1), channel_id=3, dimensions={0}
   %reduce-scatter = f32[8]{0} reduce-scatter(f32[64]{0} %p), channel_id=4, dimensions={0}, to_apply=%add
   %all-to-all = (f32[8]{0}, f32[8]{0}) all-to-all(%a, %b), channel_id=5
+  %all-reduce.7 = (f32[], f32[], f32[], f32[], f32[], /*index=5*/f32[]) all-reduce(%a, %b, %c, %d, %e, %f), channel_id=7
   %collective-permute = f32[8]{0} collective-permute(%c), channel_id=6, source_target_pairs={{0,1}}
   %add.9 = f32[8]{0} add(%all-gather.3, %all-to-all)
 """
 
 
 def test_count_communication_primitives_counts_instructions():
-    assert al.count_communication_primitives(HLO) == (6, 2, 1, 1, 1)
+    assert al.count_communication_primitives(HLO) == (7, 3, 1, 1, 1)
     assert al.count_communication_primitives(HLO, ignore_scalar_all_reduce=True) == (5, 1, 1, 1, 1)
-    assert al.count_communication_primitives([HLO, HLO]) == (12, 4, 2, 2, 2)
+    assert al.count_communication_primitives([HLO, HLO]) == (14, 6, 2, 2, 2)
 
 
 def test_clear_executable_cache_replans_own_plans_and_keeps_edited_ones():

@@ -527,12 +527,14 @@ def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
 
 
 _HLO_INSTRUCTION = re.compile(r"=\s*(.*?)\s*\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")  # XLA numbers long tuples' elements: (f32[], ..., /*index=5*/f32[])
 _SCALARS = re.compile(r"\(?\s*(?:\w+\[\](?:\{\})?\s*,?\s*)+\)?")
 
 
 def count_communication_primitives(hlo_text: str | Sequence[str], ignore_scalar_all_reduce: bool = False) -> tuple[int, int, int, int, int]:
     """Alpa's ``count_communication_primitives``: collective instructions in optimised HLO, as
-    (total, all-reduce, all-gather, reduce-scatter, all-to-all); total also counts collective-permutes.
+    (total, all-reduce, all-gather, reduce-scatter, all-to-all); total also counts collective-permutes (Alpa's
+    counts every instruction with a channel id, send and recv too, which a single mesh's program does not have).
 
     Instructions, not operands (``count_hlo_collectives`` counts operands): a combined all-reduce of
     every gradient is one. An async pair counts once (its ``-start``). A pipeline's texts (a list,
@@ -546,7 +548,7 @@ def count_communication_primitives(hlo_text: str | Sequence[str], ignore_scalar_
             m = _HLO_INSTRUCTION.search(line)
             if m is None:
                 continue
-            if ignore_scalar_all_reduce and m.group(2) == "all-reduce" and _SCALARS.fullmatch(m.group(1)):
+            if ignore_scalar_all_reduce and m.group(2) == "all-reduce" and _SCALARS.fullmatch(_INDEX_COMMENT.sub("", m.group(1))):
                 continue
             count[m.group(2)] += 1
     kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")

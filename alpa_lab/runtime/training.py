@@ -103,6 +103,17 @@ def step_flops(step: Any, state: Any, batch: tuple, plan: Any = None) -> float:
     return graph.total_flops
 
 
+def _new_state(step: Any, state: Any) -> Callable[[Any], Any]:
+    """The default ``update``: the result's first element, or the result itself for a step that returns its new
+    state alone (Alpa's ``return state.apply_gradients(...)``: a result with the state's structure)."""
+    tree = jax.tree_util.tree_structure(state)
+
+    def update(res: Any) -> Any:
+        return res if jax.tree_util.tree_structure(res) == tree else res[0]
+
+    return update
+
+
 class TrainingRun:
     """``steps`` training steps of ``step``'s current plan, in a background thread (module docstring)."""
 
@@ -137,7 +148,7 @@ class TrainingRun:
         self.backend = f"Ray: {step.ray_cluster!r}" if self.on_ray else "this process"
         self.monitor = monitor or RunMonitor()
         self.monitor.steps_total = steps
-        self._update = update or (lambda res: res[0])
+        self._update = update or _new_state(step, state)
         num_args = len(getattr(step, "_last_args", None) or (None, None)) - 1
         self._batch = batch_stream(batches, max(num_args, 1))
         self._memory_every = memory_every
