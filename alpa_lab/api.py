@@ -129,6 +129,64 @@ def _session_cluster() -> tuple[int, Any]:
         return _SESSION.generation, ray_cluster
 
 
+class _CallTimer:
+    """Each call's seconds, from its dispatch to its results being ready, without making the call wait: a
+    daemon thread waits for the results instead (as Alpa's executables time their runs). A call's seconds
+    start when it was dispatched or when the call before it finished, whichever is later, so calls queued
+    behind each other are not counted twice."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self._queue: Any = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def record(self, costs: Any, t0: float, results: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                import atexit
+
+                self._thread = threading.Thread(target=self._wait_for_results, name="alpa_lab-call-timer", daemon=True)
+                self._thread.start()
+                atexit.register(self._stop)  # before JAX's own clean-up (registered earlier, run later)
+        self._queue.put((costs, t0, results))
+
+    def _stop(self) -> None:
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+
+    def sync(self) -> None:
+        """Wait until every call recorded so far has finished."""
+        self._queue.join()
+
+    def _wait_for_results(self) -> None:
+        last_end = 0.0
+        while True:
+            item = self._queue.get()
+            if item is None:  # the interpreter is exiting
+                self._queue.task_done()
+                return
+            costs, t0, results = item
+            try:
+                jax.block_until_ready(results)
+            except Exception:  # noqa: BLE001 - a failed call has no time; the caller got its error
+                pass
+            else:
+                end = time.perf_counter()
+                costs.append(end - max(t0, last_end))
+                last_end = end
+            finally:
+                del results
+                self._queue.task_done()
+
+
+_TIMER = _CallTimer()
+CALL_COSTS_KEPT = 1000
+"""per plan, the seconds of its last this many calls (``Executable.get_execution_time_costs``)"""
+
+
 def init(
     cluster: str = "ray", cluster_address: str | None = None, num_nodes: int | None = None,
     num_devices_per_node: int | None = None, namespace: str | None = None, *, dashboard: bool = False,
@@ -759,8 +817,27 @@ class ParallelizedStep:
         # jax.jit traces again (only a call plans anew: a launch or a run takes a kept plan for its shapes, or fails)
         graph = self._own_plan_for(args, plan_new=True)
         if self.ray_cluster is not None:
-            return self._call_on_ray(args)
-        return call_compiled(self.compiled(*args), graph if graph is not None else self.trace(*args), args)
+            t0 = time.perf_counter()
+            out = self._call_on_ray(args)  # the run's step waits for the workers: the results are here
+            self._call_costs(self.current_plan).append(time.perf_counter() - t0)
+            return out
+        compiled = self.compiled(*args)
+        t0 = time.perf_counter()
+        out = call_compiled(compiled, graph if graph is not None else self.trace(*args), args)
+        _TIMER.record(self._call_costs(compiled.plan), t0, out)
+        return out
+
+    def _call_costs(self, plan: Any) -> Any:
+        """The seconds of ``plan``'s calls (the last ``CALL_COSTS_KEPT``); a step keeps them for its last few plans."""
+        from collections import deque
+
+        with self._cache_lock:
+            kept = self.__dict__.setdefault("_costs", {})
+            entry = kept.get(id(plan))
+            if entry is None or entry[0] is not plan:
+                entry = kept[id(plan)] = (plan, deque(maxlen=CALL_COSTS_KEPT))
+                _keep(kept, id(plan), entry)
+            return entry[1]
 
     def last_args(self, state: Any) -> tuple:
         """``state`` and the other arguments (shapes only) the step was last traced with."""
@@ -915,7 +992,11 @@ class ParallelizedStep:
 
     def get_executable(self, *args: Any) -> Executable:
         """Alpa's name: the current plan compiled for ``args``, whose ``get_hlo_text()`` is XLA's HLO."""
-        return Executable(self.compiled(*args), tuple(jax.tree_util.tree_leaves(args)))
+        return Executable(self.compiled(*args), tuple(jax.tree_util.tree_leaves(args)), self)
+
+    def preshard_dynamic_args(self, *args: Any) -> tuple:
+        """Alpa's name: ``args`` placed on the devices as the current single-mesh plan takes them."""
+        return self.get_executable(*args).preshard_dynamic_args(*args)
 
     def get_last_executable(self) -> Executable:
         """Alpa's name: ``get_executable`` for the arguments of the last call or plan."""
@@ -931,6 +1012,36 @@ class Executable:
 
     compiled: CompiledPlan | CompiledPipeline
     flat_args: tuple
+    step: Any = None
+
+    def get_execution_time_costs(self, warmup: int = 0, timer_name: str | None = None, return_all_costs: bool = False) -> list[float]:
+        """Seconds of each call of the step with this plan, oldest first, less the first ``warmup`` (Alpa's
+        name): from dispatch to results ready (``sync()`` first to include calls still running). Alpa's other
+        timers (``timer_name``) and per-mesh costs (``return_all_costs``) are not kept: the run dashboard and
+        ``run.profile()`` have the per-stage figures."""
+        if timer_name not in (None, "overall") or return_all_costs:
+            raise ValueError(
+                "only the whole call is timed (timer_name='overall'); per stage and phase, train with step.train(...) "
+                "and read run.profile() or the dashboard")
+        if self.step is None:
+            return []
+        return list(self.step._call_costs(self.plan))[warmup:]
+
+    def sync(self) -> None:
+        """Wait until every call dispatched so far has finished (Alpa's name)."""
+        _TIMER.sync()
+
+    def preshard_dynamic_args(self, *args: Any) -> Any:
+        """``args`` placed on the devices as the single-mesh program takes them (Alpa's name): a call with them
+        copies nothing first."""
+        if isinstance(self.compiled, CompiledPipeline):
+            raise ValueError("a pipeline's arguments are placed per stage and micro-batch each step; pass them as they are")
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if len(leaves) != len(self.compiled.in_shardings):
+            raise ValueError(
+                f"the program takes {len(self.compiled.in_shardings)} array leaves, got {len(leaves)}: pass the step's arguments")
+        placed = [jax.device_put(x, sh) for x, sh in zip(leaves, self.compiled.in_shardings)]
+        return jax.tree_util.tree_unflatten(tree, placed)
 
     def get_hlo_text(self) -> str | list[str]:
         if isinstance(self.compiled, CompiledPipeline):

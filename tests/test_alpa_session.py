@@ -246,6 +246,35 @@ def test_executable_as_alpa_tests_read_it(tmp_path):
     json.loads(open(files[0]).read())  # plans are JSON
 
 
+def test_execution_time_costs_and_presharded_args():
+    """Alpa's benchmark loop: preshard, call n times, sync, read the costs. Each call's seconds are disjoint
+    (a call is timed from when the one before finished), so together they fit in the loop's wall time."""
+
+    def step(w, x):
+        loss = lambda w: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+        return w - 0.1 * jax.grad(loss)(w), loss(w)
+
+    p = al.parallelize(step, method=al.DataParallel())
+    w, x = p.preshard_dynamic_args(jnp.ones((128, 128)), jnp.ones((256, 128)))
+    ex = p.get_executable(w, x)
+    assert (w.sharding, x.sharding) == tuple(ex.compiled.in_shardings)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        w, loss = p(w, x)
+    ex.sync()
+    wall = time.perf_counter() - t0
+    costs = ex.get_execution_time_costs()
+    assert len(costs) == 5 and all(c > 0 for c in costs) and sum(costs) <= wall
+    assert ex.get_execution_time_costs(warmup=2) == costs[2:]
+    with pytest.raises(ValueError, match="only the whole call is timed"):
+        ex.get_execution_time_costs(timer_name="compute")
+    p.use(p.current_plan.pin(next(o.name for o in p.current_plan.ops if o.primitive == "dot_general"), "RR = RR x RR"))
+    p(w, x)
+    p.get_last_executable().sync()
+    assert len(p.get_last_executable().get_execution_time_costs()) == 1  # per plan
+    assert len(ex.get_execution_time_costs()) == 5
+
+
 def test_pipeline_executable_dump_and_counts(tmp_path):
     state, batch = mlp_state(hidden=64, batch=32)
     p = al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
