@@ -24,7 +24,7 @@ from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.opgraph import OpGraph
-from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, trace
+from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, static_hint, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.parallel_method import ParallelMethod
@@ -499,13 +499,19 @@ class ParallelizedStep:
         with self._cache_lock:
             graph, split = self._graphs.get(key), self._splits.get(key)
         if graph is None:
-            if self.pipelined:
-                graph, split = trace_microbatched(
-                    self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
-                    layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args),
-                )
-            else:
-                graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
+            try:
+                if self.pipelined:
+                    graph, split = trace_microbatched(
+                        self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
+                        layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args), soft_batch=self._soft_batch,
+                    )
+                else:
+                    graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
+            except TraceError as err:
+                hint = static_hint(err.__cause__, args)
+                if hint:
+                    raise TraceError(f"{err}{hint}") from err.__cause__
+                raise
         with self._cache_lock:
             _keep(self._graphs, key, graph)
             if split is not None:
@@ -523,15 +529,21 @@ class ParallelizedStep:
         graph = self.trace(*args)
         named = named_leaves(args, batch_argnums)
         _refuse_named_state(self.fn, args, batch_argnums, named, graph)
-        return frozenset(v for v, s in zip(graph.invars, named_batch(args, batch_argnums)) if s)
+        return frozenset(v for v, s in zip(graph.invars, named_batch(args, batch_argnums, soft=self._soft_batch)) if s)
 
     def _batch_argnums(self, args: tuple) -> tuple[int, ...] | None:
         """The batch arguments of a call with ``args``: those named, or with an Alpa method object and no
         ``batch_argnums`` Alpa's default ``(1,)`` (``train_step(state, batch)``) where the call has a second
-        argument; None: found from the shapes (``trace_microbatched``)."""
-        if self._alpa_batch and len(args) >= 2:
-            return (1,)
+        argument (read softly: ``named_batch``); None: found from the shapes (``trace_microbatched``)."""
+        if self._alpa_batch:
+            has_batch = len(args) >= 2 and any(np.ndim(x) >= 1 for x in jax.tree_util.tree_leaves(args[1]))
+            return (1,) if has_batch else None
         return self.batch_argnums
+
+    @property
+    def _soft_batch(self) -> bool:
+        """The batch is Alpa's default, not the user's naming: leaves of another leading size go whole."""
+        return self._alpa_batch
 
     def _named_split(self, args: tuple, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
         """A pipelined step's cut arguments as the program's vars where ``batch_argnums`` named them (None: the rule's,
@@ -1091,7 +1103,7 @@ class Executable:
 
 def trace_microbatched(
     fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False, layers_asked: bool = True,
-    batch_argnums: tuple[int, ...] | None = None,
+    batch_argnums: tuple[int, ...] | None = None, soft_batch: bool = False,
 ) -> tuple[OpGraph, tuple[bool, ...]]:
     """``fn`` traced on one micro-batch and cut into ``layers`` layers (each under ``jax.checkpoint``
     with ``remat``), and which flat leaves were split.
@@ -1109,7 +1121,7 @@ def trace_microbatched(
     if batch_argnums is not None:
         named = named_leaves(args, batch_argnums)
         try:
-            split = named_batch(args, batch_argnums, num_microbatches)
+            split = named_batch(args, batch_argnums, num_microbatches, soft=soft_batch)
         except ValueError:  # naming the state is the likelier mistake (its step counter has no batch dimension): say that
             _refuse_named_state(fn, args, batch_argnums, named)
             raise
@@ -1307,12 +1319,19 @@ def named_leaves(args: tuple, batch_argnums: tuple[int, ...]) -> tuple[bool, ...
     return tuple(getattr(p[0], "idx", None) in positions for p, _ in jax.tree_util.tree_flatten_with_path(args)[0])
 
 
-def named_batch(args: tuple, batch_argnums: tuple[int, ...], num_microbatches: int | None = None) -> tuple[bool, ...]:
+def named_batch(
+    args: tuple, batch_argnums: tuple[int, ...], num_microbatches: int | None = None, *, soft: bool = False
+) -> tuple[bool, ...]:
     """Which flat leaves of ``args`` are the batch ``batch_argnums`` names: every leaf of those arguments
     (``named_leaves``). Each must have a leading dimension, the same for all, that ``num_microbatches``
-    divides; a ValueError names the leaf that does not."""
+    divides; a ValueError names the leaf that does not. ``soft`` (Alpa's default ``(1,)``, not named by the
+    user): of those leaves, the ones leading with the size most of them share (``batch_dimension``) are the
+    batch and the others (a PRNG key in the batch dict, per-class weights) are passed whole."""
     split = named_leaves(args, batch_argnums)
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    if soft:
+        batch = batch_dimension([tuple(np.shape(x)) for (_, x), s in zip(flat, split) if s and np.ndim(x) >= 1])
+        split = tuple(s and np.ndim(x) >= 1 and np.shape(x)[0] == batch for (_, x), s in zip(flat, split))
     named = [(_path_str(p), tuple(np.shape(x))) for (p, x), s in zip(flat, split) if s]
     if not named:
         raise ValueError(f"batch_argnums={batch_argnums} names arguments without arrays: there is no batch to cut")

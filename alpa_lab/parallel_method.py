@@ -350,7 +350,11 @@ class ShardParallel(ParallelMethod):
 
 @dataclass(frozen=True)
 class DataParallel(ShardParallel):
-    """Data parallelism: weights replicated, gradients all-reduced."""
+    """Data parallelism: weights replicated, the batch split over every device, gradients all-reduced.
+
+    The method fixes how the arguments are stored (``passes.methods``); the ILP still chooses each op's layout,
+    so a step too small to gain from splitting its compute may gather the batch and run it replicated (no
+    gradient all-reduce then); at realistic batch sizes it is the all-reduce plan."""
 
     auto_sharding_option: AutoShardingOption | None = field(
         default=AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)

@@ -329,3 +329,52 @@ def test_clear_executable_cache_replans_own_plans_and_keeps_edited_ones():
     assert_close(out.params, jax.jit(train_step)(state, batch).params, "params")
     np.testing.assert_allclose(edited(state, batch).params["params"]["Dense_0"]["bias"],
                                out.params["params"]["Dense_0"]["bias"], rtol=1e-4, atol=1e-5)
+
+
+def test_state_only_step_keeps_its_parameters_apart_from_optimizer_state():
+    """ZeRO-2 splits the optimizer state, not the parameters, also when the step returns its new state alone
+    (no loss reported: the gradients al.grad marks say which state the forward reads)."""
+    model = nn.Dense(64)
+    x, y = jnp.ones((32, 64)), jnp.ones((32, 64))
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x), tx=optax.adam(1e-2))
+
+    def loss_fn(params, b):
+        return jnp.mean((state.apply_fn(params, b["x"]) - b["y"]) ** 2)
+
+    def step(state, b):
+        return state.apply_gradients(grads=al.grad(loss_fn)(state.params, b))
+
+    for method, split in ((al.Zero2Parallel(), False), (al.Zero3Parallel(), True)):
+        p = al.parallelize(step, cluster=al.ClusterSpec.local(1, 4), mesh_shape=(1, 4), method=method)
+        out = p(state, {"x": x, "y": y})
+        kernel = out.params["params"]["kernel"]
+        assert any(kernel.sharding.spec) == split, (type(method).__name__, kernel.sharding.spec)
+        assert any(out.opt_state[0].mu["params"]["kernel"].sharding.spec)  # Adam's moments split in both
+        assert_close(out.params, jax.jit(step)(state, {"x": x, "y": y}).params, "params")
+
+
+def test_alpa_batch_passes_a_key_in_the_batch_whole():
+    """Alpa's BERT tests carry the dropout key in the batch dict: with Alpa's default batch (argument 1) the
+    leaves of another leading size are passed whole, as the shape rule does (a named batch still refuses)."""
+
+    def step(w, batch):
+        keep = jax.random.bernoulli(batch["rng"], 0.9, batch["x"].shape)
+        loss = lambda w: jnp.mean((jnp.where(keep, batch["x"], 0.0) @ w) ** 2)  # noqa: E731
+        return w - 0.1 * jax.grad(loss)(w), loss(w)
+
+    w, batch = jnp.ones((16, 16)), {"x": jnp.ones((8, 16)), "rng": jax.random.PRNGKey(0)}
+    for method in (al.ShardParallel(), None, al.DataParallel()):
+        out, loss = al.parallelize(step, cluster=al.ClusterSpec.local(1, 4), method=method)(w, batch)
+        ref, ref_loss = jax.jit(step)(w, batch)
+        assert_close(loss, ref_loss, "loss")
+        assert_close(out, ref, "w")
+    with pytest.raises(ValueError, match="different leading sizes"):
+        al.parallelize(step, cluster=al.ClusterSpec.local(1, 4), batch_argnums=(1,))(w, batch)
+
+
+def test_python_value_argument_says_to_close_over_it():
+    def step(x, flag):
+        return x * 2 if flag else x
+
+    with pytest.raises(al.TraceError, match=r"argument 1 \(True\) is a Python value.*functools.partial"):
+        al.parallelize(step, method=al.ShardParallel())(jnp.ones((8, 8)), True)

@@ -89,14 +89,17 @@ def classify_arguments(graph: OpGraph) -> dict[int, str]:
     """Argument var -> "param", "optimizer_state" or "data".
 
     State is what the step returns in place of an argument (see ``find_aliases``). A state
-    leaf that the step's other results (the loss) depend on is a parameter; state that only
-    feeds the update of state (Adam's moments, a step counter, BatchNorm statistics in
-    training) is optimizer state. Arguments not returned are data (the batch).
+    leaf that the step's other results (the loss) or its gradients (``al.grad``'s marked
+    gradients: a step returning only its new state reports no loss) depend on is a parameter;
+    state that only feeds the update of state (Adam's moments, a step counter, BatchNorm
+    statistics in training) is optimizer state. Arguments not returned are data (the batch).
     """
     aliases = find_aliases(graph)
     state = set(aliases.values())
     reported = [v for pos, v in enumerate(graph.outvars) if pos not in aliases]
-    loss_inputs = _ancestor_arguments(graph, reported)
+    gradients = [v for op in graph.ops
+                 if op.primitive == "pipeline_marker" and op.params.get("kind") == "gradient" for v in op.inputs]
+    loss_inputs = _ancestor_arguments(graph, reported + gradients)
     kinds = {}
     for vid in graph.invars:
         if vid not in state:

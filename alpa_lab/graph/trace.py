@@ -91,6 +91,20 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     return graph
 
 
+def static_hint(exc: BaseException | None, args: tuple) -> str:
+    """What to do when the step branched in Python on an argument that is a Python value (Alpa's automatic
+    ``static_argnums``): every argument is traced as an array here."""
+    if not isinstance(exc, jax.errors.ConcretizationTypeError):
+        return ""
+    plain = [f"argument {i} ({a!r})" for i, a in enumerate(args) if isinstance(a, (bool, int, float, str))]
+    if not plain:
+        return ""
+    return (
+        f"\n{', '.join(plain)} is a Python value, traced as an array: static arguments are not supported; close "
+        "over it (functools.partial(step, flag=...)) and pass the step only arrays"
+    )
+
+
 def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
     def fresh(*a: Any) -> Any:
         # a new function each time: JAX caches traces by function identity, and the same
