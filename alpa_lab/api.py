@@ -438,11 +438,13 @@ class ParallelizedStep:
         if self._cluster_given is not None:
             return self._cluster_given
         generation, session = _session_cluster()
-        if self._ray_chosen:  # on_ray(...) said where it runs: this process's devices, as before init existed
+        if self._ray_chosen:  # on_ray(...) said where it runs
             generation, session = self._generation, None
         if self._cluster is None or generation != self._generation:
-            spec = session.spec if session is not None else (
-                self._cluster if self._ray_chosen and self._cluster is not None else ClusterSpec.default())
+            if self._ray_chosen:  # the cluster on_ray named (planned for it unless the step already planned), or this process
+                spec = self._cluster or (self._ray_cluster.spec if self._ray_cluster is not None else ClusterSpec.default())
+            else:
+                spec = session.spec if session is not None else ClusterSpec.default()
             with self._cache_lock:
                 if self._cluster is not None and spec != self._cluster:
                     self._forget_own_plans()

@@ -87,6 +87,20 @@ def tied_step(state, batch):
     return state.apply_gradients(grads=grads), loss
 
 
+def tied_loss(params, apply_fn, batch):
+    logits = apply_fn(params, batch["ids"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def tied_state_only(state, batch):
+    return state.apply_gradients(grads=al.grad(tied_loss)(state.params, state.apply_fn, batch))
+
+
+def grads_only(state, batch):
+    """Alpa's test_mlp returns the gradients, not a state."""
+    return al.grad(tied_loss)(state.params, state.apply_fn, batch)
+
+
 def two_steps_match_jit(p, step, state, batch) -> None:
     ref, ref_loss = jax.jit(step)(*jax.jit(step)(state, batch)[:1], batch)
     out, loss = p(*p(state, batch)[:1], batch)
@@ -152,6 +166,16 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
         tied = al.parallelize(tied_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
         two_steps_match_jit(tied, tied_step, *tied_state())
         assert tied.ray_cluster is cluster
+        # returning the new state alone: the tied weight's new value still moves to the other mesh each step
+        # (it was not sent, and the second step waited for it forever)
+        alone = al.parallelize(tied_state_only, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+        alone.on_ray(cluster, step_timeout=60)  # on_ray before planning: planned for that cluster
+        tstate, tbatch = tied_state()
+        got = alone(alone(tstate, tbatch), tbatch)
+        assert alone.cluster == cluster.spec
+        assert_close(got.params, jax.jit(tied_state_only)(jax.jit(tied_state_only)(tstate, tbatch), tbatch).params, "params")
+        with pytest.raises(al.LaunchError, match=r"only gradients.*on_ray\(None\)"):
+            al.parallelize(grads_only, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))(tstate, tbatch)
     finally:
         al.shutdown()
     assert not ray.is_initialized() and al.get_global_cluster() is None
@@ -378,3 +402,17 @@ def test_python_value_argument_says_to_close_over_it():
 
     with pytest.raises(al.TraceError, match=r"argument 1 \(True\) is a Python value.*functools.partial"):
         al.parallelize(step, method=al.ShardParallel())(jnp.ones((8, 8)), True)
+
+
+def test_jax_grad_around_a_boundary_says_to_use_alpa_grad():
+    def loss(w, x):
+        h = jnp.tanh(x @ w)
+        al.mark_pipeline_boundary()
+        return jnp.mean(h @ w)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x)
+
+    p = al.parallelize(step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+    with pytest.raises(al.TraceError, match="inside a gradient that jax.grad.*alpa_lab.grad / alpa_lab.value_and_grad"):
+        p(jnp.ones((8, 8)), jnp.ones((16, 8)))

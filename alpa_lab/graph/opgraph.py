@@ -140,11 +140,15 @@ class OpGraph:
 
     def state_carries(self) -> tuple[tuple[int, int], ...]:
         """(result var, argument var) per leaf of the state, for a step that returns its first argument's
-        structure first (``step(state, batch) -> (new_state, ...)``); empty for any other step.
+        structure first (``step(state, batch) -> (new_state, ...)``) or alone (``-> new_state``); empty for
+        any other step.
 
         The new value of a state leaf is read next step wherever the old one was read.
         """
-        ins, outs = self.in_tree.children(), self.out_tree.children() if self.out_tree.num_nodes > 1 else []
+        ins = self.in_tree.children()
+        if ins and self.out_tree == ins[0]:  # the new state alone
+            return tuple(zip(self.outvars, self.invars[: ins[0].num_leaves]))
+        outs = self.out_tree.children() if self.out_tree.num_nodes > 1 else []
         if not ins or not outs or ins[0] != outs[0]:
             return ()
         n = ins[0].num_leaves

@@ -82,6 +82,13 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     stray = [op for op in graph.ops if markers.is_cut(op)]
     if stray:
         where = stray[0].label or "the step's top level"
+        if "jvp(" in where or "transpose(" in where:  # inside jax.grad: the usual case of code written for jax.grad
+            raise TraceError(
+                f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
+                "is inside a gradient that jax.grad / jax.value_and_grad takes, which cannot mirror the cut in the "
+                "backward pass: take the gradient with alpa_lab.grad / alpa_lab.value_and_grad (the same arguments), "
+                "or mark the tensors that cross: x = mark_stage_boundary(x)"
+            )
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
             "is outside the loss function given to alpa_lab.value_and_grad / alpa_lab.grad, where the cut cannot "

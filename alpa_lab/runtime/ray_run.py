@@ -419,8 +419,9 @@ def launch(
         out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
     if not out_children or out_children[0] != state_tree:
         raise LaunchError(
-            "the step must return new_state or (new_state, ...) with the same structure as the state it takes, as "
-            "step(state, batch) does")
+            "on a Ray cluster the step must return new_state or (new_state, ...) with the same structure as the state "
+            "it takes (the state stays on the mesh workers between steps); a step that returns something else (only "
+            "gradients) runs in this process: step.on_ray(None), or without alpa_lab.init('ray')")
     rest_tree = jax.tree_util.treedef_tuple(out_children[1:])  # the results after the state, nested as returned
     t1 = time.perf_counter()
     try:
