@@ -402,6 +402,8 @@ def test_python_value_argument_says_to_close_over_it():
 
     with pytest.raises(al.TraceError, match=r"argument 1 \(True\) is a Python value.*functools.partial"):
         al.parallelize(step, method=al.ShardParallel())(jnp.ones((8, 8)), True)
+    with pytest.raises(al.TraceError, match=r"argument 1 \(True\) is a Python value"):  # pipelined: under its wrapper
+        al.parallelize(step, microbatches=2)(jnp.ones((8, 8)), True)
 
 
 def test_jax_grad_around_a_boundary_says_to_use_alpa_grad():

@@ -101,6 +101,10 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
 def static_hint(exc: BaseException | None, args: tuple) -> str:
     """What to do when the step branched in Python on an argument that is a Python value (Alpa's automatic
     ``static_argnums``): every argument is traced as an array here."""
+    for _ in range(8):  # the JAX error may sit under our own wrappers (a pipelined step's micro-batch trace)
+        if exc is None or isinstance(exc, jax.errors.ConcretizationTypeError):
+            break
+        exc = exc.__cause__
     if not isinstance(exc, jax.errors.ConcretizationTypeError):
         return ""
     plain = [f"argument {i} ({a!r})" for i, a in enumerate(args) if isinstance(a, (bool, int, float, str))]
