@@ -299,7 +299,7 @@ def get_global_cluster() -> Any:
 def get_global_num_devices() -> int:
     """Alpa's name: the devices steps without a cluster plan for: ``init("ray")``'s cluster's, else this process's."""
     if _SESSION.ray is not None:
-        return _SESSION.ray.hosts * _SESSION.ray.devices_per_host
+        return _SESSION.ray.num_devices
     return jax.device_count()
 
 
@@ -402,7 +402,8 @@ class ParallelizedStep:
         self.stage_option = stage_option
         self.batch_argnums = check_batch_argnums(batch_argnums)
         self._alpa_batch = (alpa_default or self.parallel_method is not None) and self.batch_argnums is None
-        """a method object without batch_argnums: Alpa's default, the batch is argument 1 (where the step has one)"""
+        """a method object (or method=None) without batch_argnums: Alpa's default, the batch is argument 1 where the
+        step has one, read softly (``named_batch``: leaves of another leading size go whole)"""
         self.remat = remat
         self.fn = fn
         self._cluster_given = cluster
@@ -421,6 +422,8 @@ class ParallelizedStep:
         self._compiled: list[tuple[Plan | PipelinePlan, CompiledPlan | CompiledPipeline]] = []
         """(plan, its compiled program), the most recently used last (at most ``TRACES_KEPT``)"""
         self._problems: dict[Any, Any] = {}
+        self._costs: dict[int, tuple[Any, Any]] = {}
+        """id(plan) -> (plan, the seconds of its last calls): ``_call_costs``"""
         self._own_plans: dict[str, Plan | PipelinePlan] = {}
         """program fingerprint -> the plan ``plan()`` made for it, unedited: a call with other shapes
         plans those (or takes their plan from here), as ``jax.jit`` traces again; an edited, pinned or
@@ -505,7 +508,7 @@ class ParallelizedStep:
                 if self.pipelined:
                     graph, split = trace_microbatched(
                         self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
-                        layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args), soft_batch=self._soft_batch,
+                        layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args), soft_batch=self._alpa_batch,
                     )
                 else:
                     graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
@@ -531,7 +534,7 @@ class ParallelizedStep:
         graph = self.trace(*args)
         named = named_leaves(args, batch_argnums)
         _refuse_named_state(self.fn, args, batch_argnums, named, graph)
-        return frozenset(v for v, s in zip(graph.invars, named_batch(args, batch_argnums, soft=self._soft_batch)) if s)
+        return frozenset(v for v, s in zip(graph.invars, named_batch(args, batch_argnums, soft=self._alpa_batch)) if s)
 
     def _batch_argnums(self, args: tuple) -> tuple[int, ...] | None:
         """The batch arguments of a call with ``args``: those named, or with an Alpa method object and no
@@ -541,11 +544,6 @@ class ParallelizedStep:
             has_batch = len(args) >= 2 and any(np.ndim(x) >= 1 for x in jax.tree_util.tree_leaves(args[1]))
             return (1,) if has_batch else None
         return self.batch_argnums
-
-    @property
-    def _soft_batch(self) -> bool:
-        """The batch is Alpa's default, not the user's naming: leaves of another leading size go whole."""
-        return self._alpa_batch
 
     def _named_split(self, args: tuple, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
         """A pipelined step's cut arguments as the program's vars where ``batch_argnums`` named them (None: the rule's,
@@ -801,7 +799,7 @@ class ParallelizedStep:
             self.ray_run = run = self.launch(self.ray_cluster, state, *rest, **options)
         out = run.step(*rest)
         self._ray_state = run.last_state if run.last_state_step == run.steps_done else run.state()
-        if self.trace(*args).out_tree == jax.tree_util.tree_structure(state):  # the step returns its new state alone
+        if self.trace(*args).returns_state_alone:
             return self._ray_state
         others = out if isinstance(out, tuple) and len(out) != 1 else (out,)
         return (self._ray_state, *others)
@@ -846,11 +844,9 @@ class ParallelizedStep:
         from collections import deque
 
         with self._cache_lock:
-            kept = self.__dict__.setdefault("_costs", {})
-            entry = kept.get(id(plan))
-            if entry is None or entry[0] is not plan:
-                entry = kept[id(plan)] = (plan, deque(maxlen=CALL_COSTS_KEPT))
-                _keep(kept, id(plan), entry)
+            entry = self._costs.get(id(plan))
+            if entry is None or entry[0] is not plan:  # the plan holds its id while kept here
+                entry = _keep(self._costs, id(plan), (plan, deque(maxlen=CALL_COSTS_KEPT)))
             return entry[1]
 
     def last_args(self, state: Any) -> tuple:
@@ -1080,8 +1076,7 @@ class Executable:
             raise ValueError(
                 "a pipeline's memory is per mesh and changes while micro-batches are in flight: see plan.stages[i].memory "
                 "(eq. 5) and the run's measured memory (run.profile())")
-        args = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh) for x, sh in zip(self.flat_args, self.compiled.in_shardings)]
-        m = self.compiled.fn.lower(*args).compile().memory_analysis()
+        m = self.compiled.fn.lower(*self.flat_args).compile().memory_analysis()  # jitted with the plan's shardings
         return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
     def dump_debug_info(self, folder: str) -> list[str]:

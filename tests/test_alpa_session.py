@@ -78,18 +78,14 @@ def tied_state():
     return state, {"ids": ids, "labels": (ids + 1) % 64}
 
 
-def tied_step(state, batch):
-    def loss_func(params):
-        logits = state.apply_fn(params, batch["ids"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
-    loss, grads = al.value_and_grad(loss_func)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
 def tied_loss(params, apply_fn, batch):
     logits = apply_fn(params, batch["ids"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def tied_step(state, batch):
+    loss, grads = al.value_and_grad(tied_loss)(state.params, state.apply_fn, batch)
+    return state.apply_gradients(grads=grads), loss
 
 
 def tied_state_only(state, batch):

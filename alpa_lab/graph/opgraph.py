@@ -146,13 +146,19 @@ class OpGraph:
         The new value of a state leaf is read next step wherever the old one was read.
         """
         ins = self.in_tree.children()
-        if ins and self.out_tree == ins[0]:  # the new state alone
+        if self.returns_state_alone:
             return tuple(zip(self.outvars, self.invars[: ins[0].num_leaves]))
         outs = self.out_tree.children() if self.out_tree.num_nodes > 1 else []
         if not ins or not outs or ins[0] != outs[0]:
             return ()
         n = ins[0].num_leaves
         return tuple(zip(self.outvars[:n], self.invars[:n]))
+
+    @property
+    def returns_state_alone(self) -> bool:
+        """Whether the step returns its first argument's structure and nothing else (``-> new_state``)."""
+        ins = self.in_tree.children()
+        return bool(ins) and self.out_tree == ins[0]
 
     @property
     def total_flops(self) -> float:

@@ -209,17 +209,12 @@ class RayCluster:
         return self.spec.devices_per_host
 
     # Alpa's DeviceCluster names (``alpa.get_global_cluster()``)
-    @property
-    def num_hosts(self) -> int:
-        return self.spec.hosts
-
-    @property
-    def num_devices_per_host(self) -> int:
-        return self.spec.devices_per_host
+    num_hosts = hosts
+    num_devices_per_host = devices_per_host
 
     @property
     def num_devices(self) -> int:
-        return self.spec.hosts * self.spec.devices_per_host
+        return self.spec.num_devices
 
     def calibrate(self, *, save: bool = True, repeats: int = 7, sizes: tuple[int, ...] = TRANSFER_SIZES) -> ClusterSpec:
         """Measure this cluster: the spec to plan with, its numbers measured on the cluster's own workers.

@@ -413,7 +413,7 @@ def launch(
         keep_state_every = 1 if state_bytes <= KEEP_EVERY_STEP_BYTES else 100
     if isinstance(keep_state_every, bool) or not isinstance(keep_state_every, int) or keep_state_every < 0:
         raise LaunchError(f"keep_state_every must be a number of steps (0: never), got {keep_state_every!r}")
-    if graph.out_tree == state_tree:  # ``return new_state``: the state and nothing else (run.step then returns ())
+    if graph.returns_state_alone:  # ``return new_state``: the state and nothing else (run.step then returns ())
         out_children = [state_tree]
     else:
         out_children = graph.out_tree.children() if graph.out_tree.num_nodes > 1 else []
