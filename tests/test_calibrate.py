@@ -211,11 +211,12 @@ def test_a_stages_sums_are_priced_as_the_runtimes_sums_program_runs(calibrated):
             jax.block_until_ready(list(sums.values()))
             times.append(time.perf_counter() - t0)
         seconds = sum(t for n, t in predicted.items() if n in backward) + calibrated.task_overhead
-        ratios.append(seconds / statistics.median(times))
-    # within 2x of the measured (0.75-1.0 measured here); without sum_overhead 0.26-0.45, and the check fails
-    # measured here 0.74-0.94; priced without sum_overhead (op_overhead per tensor) 0.50-0.51, which fails this
+        # the fastest of the 40: other work on this shared machine only ever slows a run down (a clean CI run's
+        # median once fell to 0.50-0.60 of the prediction while its quiet runs measure 0.72-0.87)
+        ratios.append(seconds / min(times))
+    # measured here 0.98-1.14 against the fastest run; priced without sum_overhead 0.43-0.48, which fails this
     mean = math.exp(statistics.mean(math.log(r) for r in ratios))
-    assert 0.55 < mean < 1.8, ratios
+    assert 0.6 < mean < 2.0, ratios
 
 
 def test_sum_overhead_is_in_the_sums_price_and_older_files_keep_the_specs(tmp_path):
