@@ -347,12 +347,18 @@ class ParallelizedStep:
                     f"{', '.join(f'{k}={given[k]!r}' for k in passed)} or set it in the method "
                     "(num_micro_batches, pipeline_schedule, layer_option, stage_option), or pass parallelize's own options "
                     "without a method object")
-            opts = method.options()
+            opts, method_class = method.options(), type(method).__name__
             method = opts.pop("method")
             microbatches, schedule = opts.get("microbatches", microbatches), opts.get("schedule", schedule)
             layers = opts.get("layers", layers)
             remat, submesh_space = opts.get("remat", remat), opts.get("submesh_space", submesh_space)
             logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
+            if "cluster" in opts:  # the method's devices= (Alpa's device meshes) say the cluster and maybe the grid
+                if cluster is not None or mesh_shape is not None:
+                    raise ValueError(
+                        f"method={method_class}(devices=...) says which devices and mesh to plan for; drop "
+                        "cluster= / mesh_shape= or drop devices=")
+                cluster, mesh_shape = opts["cluster"], opts.get("mesh_shape")
         if not isinstance(method, str) or method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
         if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1):

@@ -9,9 +9,11 @@ Code written for Alpa chooses how to parallelize with a method object::
 Each class takes the arguments Alpa's takes (Alpa 0.2's names, order and defaults; also
 ``ManualPipeshardParallel`` and ``AutoLayerOption(layer_num, remat_layer)`` of earlier releases)
 and says which of ``parallelize``'s own options it means (``options``), so there is one planner
-behind both spellings. What Alpa does that this planner does not (an inference schedule,
-fine-grained remat, a profiling database, another device set than the cluster's, options that
-forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
+behind both spellings. ``ShardParallel(devices=...)`` takes Alpa's device meshes
+(``LocalPhysicalDeviceMesh().get_logical_mesh(shape, mesh_alpha, mesh_beta)``: that grid, priced by
+Alpa's alpha-beta numbers). What Alpa does that this planner does not (an inference schedule,
+fine-grained remat, a profiling database, devices other than the first ones JAX lists, options
+that forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
 thresholds, ``force_batch_dim_to_mesh_dim``, ``eps``) are accepted and change nothing, as each
 class says. Alpa's defaults are kept because code relies on them: ``PipeshardParallel`` cuts 2
 layers and, without ``stage_option``, places stages uniformly (one stage per layer on equal
@@ -39,6 +41,8 @@ __all__ = [
     "DataParallel",
     "ManualLayerOption",
     "ManualPipeshardParallel",
+    "LocalPhysicalDeviceMesh",
+    "LogicalDeviceMesh",
     "ManualStageOption",
     "MethodOptionError",
     "ParallelMethod",
@@ -55,13 +59,17 @@ class MethodOptionError(ValueError):
 
 
 # ----- options ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass
 class AutoShardingOption:
-    """Alpa's intra-op options (its fields, order and defaults). Those that choose a method are read
-    (``method_name``); those that only tune Alpa's own solver or its collective combiners
-    (``force_batch_dim_to_mesh_dim``, ``allow_mixed_mesh_shape``, ``allow_recompute_heavy_op``,
+    """Alpa's intra-op options (its fields, order and defaults). Mutable, as Alpa's: its tests set
+    ``method.as_option.prefer_reduce_scatter = True`` before ``parallelize`` reads it.
+
+    Those that choose a method are read (``method_name``). ``allow_recompute_heavy_op`` and
+    ``allow_mixed_mesh_shape`` are this planner's rule at their defaults (False): a matmul or
+    convolution is split over every device of its mesh where its shapes allow (``sharding.rules``).
+    Those that only tune Alpa's own solver or its collective combiners (``force_batch_dim_to_mesh_dim``,
     the thresholds, ``prefer_reduce_scatter`` without ``force_data_parallel``) are accepted and change
-    nothing here: this planner's ILP chooses among every strategy; those that forbid strategies are refused."""
+    nothing; those that forbid strategies are refused."""
 
     enable_auto_sharding: bool = True
     allow_all_gather: bool = True
@@ -326,12 +334,135 @@ def _no_devices(devices: Any, name: str) -> None:
             "parallelize(cluster=al.ClusterSpec.local(hosts, devices_per_host)) (or mesh_shape= for one mesh's shape)")
 
 
+# ----- devices ---------------------------------------------------------------------------------
+def _first_devices(devices: Sequence[Any], what: str) -> None:
+    """Plans place mesh device ``i`` on ``jax.devices()[i]``: a device set must be the first ones JAX lists."""
+    import jax
+
+    have = list(jax.devices())
+    if [getattr(d, "id", d) for d in devices] != [d.id for d in have[: len(devices)]]:
+        raise MethodOptionError(
+            f"{what}: devices {[getattr(d, 'id', d) for d in devices]} are not the first {len(devices)} of "
+            f"jax.devices() ({[d.id for d in have]}); a plan runs on the first devices of its cluster: pass "
+            f"jax.devices()[:{len(devices)}]")
+
+
+@dataclass(frozen=True)
+class LogicalDeviceMesh:
+    """Alpa's logical mesh: devices viewed as a 2-D grid whose axis ``i`` costs ``mesh_alpha[i] +
+    mesh_beta[i] * bytes`` per collective (Alpa's alpha-beta model, in whatever unit the numbers are).
+
+    As ``ShardParallel(devices=...)`` it plans on exactly this grid with these costs: the cluster it means
+    (``cluster_spec``) has ``shape[0]`` "hosts" of ``shape[1]`` devices, axis 0 priced by ``mesh_alpha[0]`` /
+    ``mesh_beta[0]`` and axis 1 by the others. Alpa's tests use ``mesh_alpha = mesh_beta = [1, 1]``: costs
+    in bytes, next to which every compute cost is nil, as in Alpa's ILP.
+    """
+
+    devices: tuple[Any, ...]
+    shape: tuple[int, int]
+    mesh_alpha: tuple[float, float] = (1.0, 1.0)
+    mesh_beta: tuple[float, float] = (1.0, 1.0)
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(n) for n in self.shape)
+        if len(shape) != 2 or min(shape) < 1:
+            raise MethodOptionError(f"a logical mesh is 2-D with positive sizes, got shape {self.shape!r}")
+        if math.prod(shape) != len(self.devices):
+            raise MethodOptionError(f"a {shape[0]}x{shape[1]} logical mesh needs {math.prod(shape)} devices, given {len(self.devices)}")
+        for name in ("mesh_alpha", "mesh_beta"):
+            value = tuple(float(x) for x in getattr(self, name))
+            if len(value) != 2 or min(value) < 0:
+                raise MethodOptionError(f"{name} must be two non-negative numbers (one per mesh axis), got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        if min(self.mesh_beta) <= 0:
+            raise MethodOptionError(f"mesh_beta must be positive (seconds or cost per byte), got {self.mesh_beta!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def flatten_ids(self) -> tuple[int, ...]:
+        return tuple(getattr(d, "id", d) for d in self.devices)
+
+    def cluster_spec(self) -> Any:
+        """The cluster this grid means to the planner (see the class docstring)."""
+        from alpa_lab.cost.cluster import ClusterSpec
+
+        return ClusterSpec(
+            hosts=self.shape[0], devices_per_host=self.shape[1],
+            inter_host_latency=self.mesh_alpha[0], inter_host_bandwidth=1.0 / self.mesh_beta[0],
+            intra_host_latency=self.mesh_alpha[1], intra_host_bandwidth=1.0 / self.mesh_beta[1],
+            name=f"logical mesh {self.shape[0]}x{self.shape[1]}, alpha {list(self.mesh_alpha)}, beta {list(self.mesh_beta)}")
+
+
+@dataclass(frozen=True)
+class LocalPhysicalDeviceMesh:
+    """Alpa's mesh of this process's devices (default: all of them), for ``get_logical_mesh``."""
+
+    devices: tuple[Any, ...] | None = None
+
+    def __post_init__(self) -> None:
+        import jax
+
+        devices = tuple(jax.local_devices() if self.devices is None else self.devices)
+        if not devices:
+            raise MethodOptionError("LocalPhysicalDeviceMesh needs at least one device")
+        object.__setattr__(self, "devices", devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_hosts(self) -> int:
+        return 1
+
+    @property
+    def num_devices_per_host(self) -> int:
+        return len(self.devices)
+
+    def get_logical_mesh(
+        self, mesh_shape: Sequence[int] | None = None, mesh_alpha: Sequence[float] | None = None,
+        mesh_beta: Sequence[float] | None = None, mesh_topology: Any = None,
+        intra_host_bandwidth: float | None = None, inter_host_bandwidth: float | None = None,
+    ) -> LogicalDeviceMesh:
+        """These devices as a ``mesh_shape`` grid (default 1 x all) with Alpa's per-axis costs (default 1 and 1)."""
+        if mesh_topology is not None or intra_host_bandwidth is not None or inter_host_bandwidth is not None:
+            raise MethodOptionError(
+                "get_logical_mesh(mesh_topology / *_host_bandwidth) is not supported: give mesh_alpha and mesh_beta, or "
+                "plan with parallelize(cluster=al.ClusterSpec(...)) for a cluster's measured links")
+        shape = (1, self.num_devices) if mesh_shape is None else tuple(mesh_shape)
+        return LogicalDeviceMesh(self.devices, shape, tuple(mesh_alpha or (1.0, 1.0)), tuple(mesh_beta or (1.0, 1.0)))
+
+
+def _mesh_options(devices: Any, name: str) -> dict[str, Any]:
+    """``parallelize``'s cluster (and mesh shape) for Alpa's ``devices=``: a logical mesh plans on that grid with its
+    costs; a physical mesh is its devices with this machine's cost model, every grid tried."""
+    if devices is None:
+        return {}
+    if isinstance(devices, LogicalDeviceMesh):
+        _first_devices(devices.devices, f"{name}(devices=<{devices.shape[0]}x{devices.shape[1]} logical mesh>)")
+        return {"cluster": devices.cluster_spec(), "mesh_shape": devices.shape}
+    if isinstance(devices, LocalPhysicalDeviceMesh):
+        from alpa_lab.cost.cluster import ClusterSpec
+
+        _first_devices(devices.devices, f"{name}(devices=<physical mesh>)")
+        return {"cluster": ClusterSpec.local(1, devices.num_devices)}
+    _no_devices(devices, name)
+    return {}
+
+
 @dataclass(frozen=True)
 class ShardParallel(ParallelMethod):
     """Intra-op parallelism only: one mesh of every device, sharded by the ILP (Alpa's default method).
 
-    ``num_micro_batches``: gradient accumulation over that many micro-batches (one pipeline stage on every
-    device, each micro-batch's gradients summed).
+    ``devices``: a ``LogicalDeviceMesh`` (``LocalPhysicalDeviceMesh().get_logical_mesh(shape, alpha, beta)``)
+    plans on that grid with its costs; a ``LocalPhysicalDeviceMesh`` on its devices. ``num_micro_batches``:
+    gradient accumulation over that many micro-batches (one pipeline stage on every device, each
+    micro-batch's gradients summed). ``as_option`` is the ``AutoShardingOption``, as in Alpa.
     """
 
     devices: Any = None
@@ -339,11 +470,23 @@ class ShardParallel(ParallelMethod):
     auto_sharding_option: AutoShardingOption | None = None
     manual_sharding_option: Any = None
 
+    def __post_init__(self) -> None:
+        if self.auto_sharding_option is None:  # one object to mutate, as Alpa's method.as_option
+            object.__setattr__(self, "auto_sharding_option", AutoShardingOption())
+
+    @property
+    def as_option(self) -> AutoShardingOption:
+        return self.auto_sharding_option
+
     def options(self) -> dict[str, Any]:
-        _no_devices(self.devices, type(self).__name__)
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         out: dict[str, Any] = {"method": (self.auto_sharding_option or AutoShardingOption()).method_name()}
+        out.update(_mesh_options(self.devices, type(self).__name__))
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
+            if "mesh_shape" in out:
+                raise MethodOptionError(
+                    f"{type(self).__name__}(num_micro_batches=...) with a logical mesh as devices: gradient accumulation "
+                    "plans its one stage's logical mesh itself; pass a LocalPhysicalDeviceMesh or no devices")
             out.update(microbatches=self.num_micro_batches, layers=1, stage_option=_WHOLE_CLUSTER)
         return out
 
@@ -352,12 +495,11 @@ class ShardParallel(ParallelMethod):
 class DataParallel(ShardParallel):
     """Data parallelism: weights replicated, the batch split over every device, gradients all-reduced.
 
-    The method fixes how the arguments are stored (``passes.methods``); the ILP still chooses each op's layout,
-    so a step too small to gain from splitting its compute may gather the batch and run it replicated (no
-    gradient all-reduce then); at realistic batch sizes it is the all-reduce plan."""
+    The method fixes how the arguments are stored (``passes.methods``); the ILP still chooses each op's layout
+    (matmuls always split over every device)."""
 
     auto_sharding_option: AutoShardingOption | None = field(
-        default=AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)
+        default_factory=lambda: AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)
 
 
 @dataclass(frozen=True)
@@ -365,14 +507,15 @@ class Zero2Parallel(ShardParallel):
     """ZeRO-2: gradients reduce-scattered, optimizer state partitioned."""
 
     auto_sharding_option: AutoShardingOption | None = field(
-        default=AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True), init=False)
+        default_factory=lambda: AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True), init=False)
 
 
 @dataclass(frozen=True)
 class Zero3Parallel(ShardParallel):
     """ZeRO-3: weights partitioned too, gathered where used."""
 
-    auto_sharding_option: AutoShardingOption | None = field(default=AutoShardingOption(force_zero_stage_3=True), init=False)
+    auto_sharding_option: AutoShardingOption | None = field(
+        default_factory=lambda: AutoShardingOption(force_zero_stage_3=True), init=False)
 
 
 @dataclass(frozen=True)

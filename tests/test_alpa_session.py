@@ -288,7 +288,10 @@ def test_execution_time_costs_and_presharded_args():
     assert ex.get_execution_time_costs(warmup=2) == costs[2:]
     with pytest.raises(ValueError, match="only the whole call is timed"):
         ex.get_execution_time_costs(timer_name="compute")
-    p.use(p.current_plan.pin(next(o.name for o in p.current_plan.ops if o.primitive == "dot_general"), "RR = RR x RR"))
+    dot = next(o for o in p.current_plan.ops if o.primitive == "dot_general")
+    other = next(s.name for s in p.current_plan.problem.nodes[p.current_plan.problem.node_index(dot.name)].strategies
+                 if s.name != dot.strategy)
+    p.use(p.current_plan.pin(dot.name, other))
     p(w, x)
     p.get_last_executable().sync()
     assert len(p.get_last_executable().get_execution_time_costs()) == 1  # per plan

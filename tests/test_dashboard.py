@@ -297,13 +297,14 @@ def test_fit_recovers_known_factors_and_the_plan_predicts_what_was_measured():
     a, b, c = 40.0, 7.0, 3e-4
     prof = _synthetic(plan, a, b, c)
     fit = prof.fit()
-    # within 3%: the launches now vary per phase (a phase that makes gradient sums launches their program too), and
-    # on this tiny model a phase's compute is a small share beside its launches, so the fit's weak pull toward the
-    # cluster's own numbers shows at about 2% (a 10x weaker pull recovers the factors within 0.3%)
-    assert fit.compute_scale == pytest.approx(a, rel=0.03) and fit.communication_scale == pytest.approx(b, rel=0.05)
+    # within 5%: the launches now vary per phase (a phase that makes gradient sums launches their program too), and
+    # on this tiny model a phase's compute is a small share beside its launches (a quarter of a device's since its
+    # matmuls are split over the 4), so the fit's weak pull toward the cluster's own numbers shows at about 4%
+    # (a 10x weaker pull recovers the factors within 0.5%, checked below)
+    assert fit.compute_scale == pytest.approx(a, rel=0.05) and fit.communication_scale == pytest.approx(b, rel=0.05)
     assert fit.task_overhead == pytest.approx(c, rel=0.03) and fit.residual < 0.01
     weak = prof.fit(prior_weight=1e-4)
-    assert weak.compute_scale == pytest.approx(a, rel=0.003) and weak.task_overhead == pytest.approx(c, rel=0.003)
+    assert weak.compute_scale == pytest.approx(a, rel=0.005) and weak.task_overhead == pytest.approx(c, rel=0.005)
     assert Profile.from_json(prof.to_json()) == prof
     # the same stages and strategies priced with the fitted cluster predict the measurements (the model is linear
     # in the factors); left free, each stage's ILP finds strategies no worse under the measured costs

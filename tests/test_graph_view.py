@@ -23,12 +23,16 @@ LOCAL = al.ClusterSpec.local(hosts=2, devices_per_host=4)
 ALL = 10**9
 """``max_nodes`` that keeps one node per op."""
 
+# The ILP lays the tiny models out without a single resharding (the GPT's heads split, the MLP's kernels by
+# columns then rows): the fixtures pin their first matmul to another layout, so that there are reshardings to draw.
+
 
 @pytest.fixture(scope="module")
 def gpt():
     ex = tiny_example("gpt")
     step = al.parallelize(ex.train_step, cluster=LOCAL, microbatches=4, layers=4)
     plan = step.plan(ex.state, ex.batch).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)])
+    plan = plan.pin("dot_general_0", "RS1RR = RS1R x RRR")  # a resharding to draw
     step.current_plan = plan
     return ex, step, plan
 
@@ -37,7 +41,7 @@ def gpt():
 def mlp():
     ex = tiny_example("mlp")
     step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4))
-    return ex, step, step.plan(ex.state, ex.batch)
+    return ex, step, step.plan(ex.state, ex.batch).pin("dot_general_0", "S1R = S1R x RR")  # a resharding to draw
 
 
 def _ops(plan) -> list[str]:

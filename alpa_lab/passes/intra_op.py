@@ -30,7 +30,7 @@ from alpa_lab.graph.trace import param_signature
 from alpa_lab.passes.ilp import CostGraph, ILPSolution, InfeasibleError, solve
 from alpa_lab.plan import Alternative, Explanation, PinError, Plan  # PinError: defined with the plan, raised here too
 from alpa_lab.sharding.resharding import resharding
-from alpa_lab.sharding.rules import has_rule, is_follower, strategies_for
+from alpa_lab.sharding.rules import has_rule, is_follower, planned_strategies
 from alpa_lab.sharding.spec import ShardingSpec, enumerate_specs
 from alpa_lab.sharding.strategy import Strategy
 
@@ -213,7 +213,7 @@ def build_strategy_graph(
     unplanned = []
     for op, key in zip(graph.ops, _op_keys(graph)):
         if key not in strategy_cache:
-            strategy_cache[key] = tuple(strategies_for(op, graph, mesh))
+            strategy_cache[key] = tuple(planned_strategies(op, graph, mesh))
         if not has_rule(op.primitive):
             unplanned.append(op.primitive)
         for pos, vid in enumerate(op.outputs):
@@ -433,14 +433,19 @@ def _merge_trivial_ops(
 def _follow_table(
     leader: tuple[Strategy, ...], out: int, follower: tuple[Strategy, ...], operand: int
 ) -> np.ndarray:
-    """For each leader strategy, the cheapest follower strategy that takes the leader's
-    output ``out`` as operand ``operand`` unchanged; -1 where the follower has none."""
+    """For each leader strategy, the follower strategy that takes the leader's output ``out`` as
+    operand ``operand`` unchanged; -1 where the follower has none, or several that lay out its
+    results differently (a scalar broadcast to a matrix may make it whole or split: merged, it
+    would be held to one of them, and the group could not choose the other)."""
     best: dict[ShardingSpec, int] = {}
+    layouts: dict[ShardingSpec, set] = {}
     for j, s in enumerate(follower):
         spec = s.input_specs[operand]
+        layouts.setdefault(spec, set()).add(s.output_specs)
         if spec not in best or s.cost < follower[best[spec]].cost:
             best[spec] = j
-    return np.array([best.get(s.output_specs[out], -1) for s in leader], dtype=np.int64)
+    return np.array(
+        [best[s.output_specs[out]] if len(layouts.get(s.output_specs[out], ())) == 1 else -1 for s in leader], dtype=np.int64)
 
 
 def _tie_repeated_blocks(

@@ -185,7 +185,9 @@ def shard_weight_update(
     compute the same update. Splitting that state over the axis turns the gradient's
     all-reduce into a reduce-scatter, the update into 1/n of the work and memory, and adds
     an all-gather of the new weights: ZeRO-like. The re-solve keeps parameters where they
-    were; the rewrite is kept unless the predicted step gets slower by REWRITE_TOLERANCE.
+    were; the rewrite is kept unless the predicted step grows by more than REWRITE_TOLERANCE or
+    its collectives move more bytes: an all-reduce replaced moves the same bytes (the paper's
+    "whenever applicable"), a split update whose gradient was never all-reduced moves more.
     """
     restrictions: dict[str, tuple[str, ...]] = {}
     rewrites = []
@@ -211,9 +213,38 @@ def shard_weight_update(
         rewritten = solve_strategy_graph(sg, {**pins, **keep}, restrictions=restrictions, memory_budget=memory_budget)
     except ValueError:
         return MethodSolution(solution, {})
-    if rewritten.objective > solution.objective * (1 + REWRITE_TOLERANCE):
+    if rewritten.objective > solution.objective * (1 + REWRITE_TOLERANCE) or (
+        _bandwidth_seconds(sg, rewritten) > _bandwidth_seconds(sg, solution) * (1 + 1e-9)
+    ):  # slower, or more bytes moved: the split update's gathers replaced no all-reduce
         return MethodSolution(solution, {})
     return MethodSolution(rewritten, {**restrictions, **{k: (v,) for k, v in keep.items()}}, tuple(rewrites))
+
+
+def _reshardings(sg: StrategyGraph, choice: tuple[int, ...]) -> list[tuple[Any, ShardingSpec, ShardingSpec, tuple]]:
+    """(edge, source spec, target spec, collectives) of each resharding a choice makes that communicates. XLA
+    reshards a tensor once per target spec, however many consumers want it."""
+    out, seen = [], set()
+    for e in sg.edges:
+        src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+        if e.consumer >= 0:
+            dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
+        else:
+            dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
+        if src == dst or (e.var, dst) in seen:
+            continue
+        seen.add((e.var, dst))
+        shape, itemsize = sg.var_info[e.var]
+        collectives = resharding(src, dst, shape, itemsize, sg.mesh).collectives
+        if collectives:
+            out.append((e, src, dst, collectives))
+    return out
+
+
+def _bandwidth_seconds(sg: StrategyGraph, solution: IntraOpSolution) -> float:
+    """Seconds a solution's collectives (its ops' and its reshardings') spend moving bytes, latency left out."""
+    collectives = [c for n, node in enumerate(sg.nodes) for c in node.strategies[solution.choice[n]].collectives]
+    collectives += [c for *_, cs in _reshardings(sg, solution.choice) for c in cs]
+    return sum(c.cost - sg.mesh.group(c.axes)[1] for c in collectives)
 
 
 def make_plan(
@@ -251,24 +282,10 @@ def make_plan(
             )
         )
     reshardings = []
-    seen = set()
-    for e in sg.edges:
-        src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
-        if e.consumer >= 0:
-            dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
-            consumer = sg.nodes[e.consumer].name
-        else:
-            dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
-            consumer = f"output {out_paths[-1 - e.consumer]}"
-        if src == dst or (e.var, dst) in seen:
-            continue  # XLA reshards a tensor once per target spec, however many consumers
-        seen.add((e.var, dst))
-        shape, itemsize = sg.var_info[e.var]
-        r = resharding(src, dst, shape, itemsize, sg.mesh)
-        if r.collectives:
-            reshardings.append(
-                ReshardingPlan(sg.nodes[e.producer].name, consumer, shape, sg.var_dtype[e.var], str(src), str(dst), r.collectives)
-            )
+    for e, src, dst, collectives in _reshardings(sg, choice):
+        consumer = sg.nodes[e.consumer].name if e.consumer >= 0 else f"output {out_paths[-1 - e.consumer]}"
+        shape = sg.var_info[e.var][0]
+        reshardings.append(ReshardingPlan(sg.nodes[e.producer].name, consumer, shape, sg.var_dtype[e.var], str(src), str(dst), collectives))
     spec_of_var = {}
     for vid, (n, out) in sg.node_of_var.items():
         spec_of_var[vid] = str(sg.nodes[n].strategies[choice[n]].output_specs[out])

@@ -54,7 +54,7 @@ from alpa_lab.passes.schedule import (
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, check_submesh_space, even_submesh, place_submeshes, submesh_shapes
 from alpa_lab.sharding.spec import ShardingSpec
-from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
+from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
 LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel", "same_as_physical", "data_parallel_only")
@@ -784,7 +784,12 @@ def plan_stages(
         deferred = {problem.graph.ops[i].name for i in weight_gradient_ops(problem.graph, problem.slicing, stage_of_op)}
     results = []
     for i, (layers, submesh, logical, devices) in enumerate(stages):
-        plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
+        try:
+            plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
+        except PinError as exc:  # a pin made on another mesh: say where the stages put the op
+            raise PinError(
+                f"stage {i} (layers {layers[0]}-{layers[1] - 1}) on a {logical[0]}x{logical[1]} logical mesh: {exc}; unpin "
+                "the op, or pin the stages (pin_stages) on meshes where that strategy exists", exc.pins) from exc
         f, b, a, w, act = _stage_figures(problem, plan, layers)
         wt = sum(o.compute_cost + o.communication_cost for o in plan.ops if o.name in deferred)
         if deferred:  # the weight gradients' sums run after W, in its RUN
