@@ -1071,9 +1071,11 @@ class Executable:
 
     @property
     def auto_sharding_objective(self) -> float | None:
-        """The intra-op ILP's objective of a single-mesh plan (eq. 1: predicted seconds per step, where Alpa's
-        are its own cost units); None for a pipeline, which has one per stage (``plan.stages[i].plan.objective``)."""
-        return None if isinstance(self.compiled, CompiledPipeline) else float(self.compiled.plan.objective)
+        """The intra-op ILP's objective as Alpa reports it: communication and resharding costs (eq. 1 with every
+        compute cost zero, sec. 4.2), in the cluster's units (seconds; bytes for Alpa's ``mesh_alpha = mesh_beta = 1``
+        logical meshes). ``plan.objective`` adds this planner's compute costs. None for a pipeline, which has one per
+        stage (``plan.stages[i].plan``)."""
+        return None if isinstance(self.compiled, CompiledPipeline) else float(self.compiled.plan.communication_cost)
 
     def get_total_allocation_size(self) -> int:
         """Bytes XLA allocates per device to run the single-mesh program (arguments, results and temporaries,

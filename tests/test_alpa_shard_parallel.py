@@ -170,3 +170,18 @@ def test_alpas_option_mutation_and_device_meshes():
         mesh.get_logical_mesh((2, 2), [1, 1], [0, 1])
     with pytest.raises(ValueError, match=r"ShardParallel\(devices=...\) says which devices.*drop cluster="):
         al.parallelize(lambda s, b: s, method=al.ShardParallel(devices=logical), cluster=al.ClusterSpec.local(1, 4))
+
+
+def test_alpas_basic_ops_cost_nothing_where_they_need_no_communication():
+    """Alpa's test_basic on a 4x1 mesh priced in bytes: an argmax over rows splits the columns (the input's
+    [144, 36] tiles in the compiled HLO) and a reshape whose tiles do not line up is kept whole; both at an
+    objective of 0, since Alpa's objective counts communication only."""
+    method = al.ShardParallel(devices=logical_mesh((4, 1)))
+    a = jax.random.normal(jax.random.PRNGKey(0), (144, 144))
+    p = al.parallelize(lambda a: jnp.argmax(a, axis=0), method=method)
+    np.testing.assert_array_equal(np.asarray(p(a)), np.asarray(jnp.argmax(a, axis=0)))
+    executable = p.get_last_executable()
+    assert executable.auto_sharding_objective == 0 and "f32[144,36]" in executable.get_hlo_text()
+    r = al.parallelize(lambda a: a.reshape((8, 18)), method=method)
+    np.testing.assert_array_equal(np.asarray(r(jnp.arange(144.0))), np.arange(144.0).reshape(8, 18))
+    assert r.get_last_executable().auto_sharding_objective == 0
