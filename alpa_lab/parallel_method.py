@@ -339,10 +339,10 @@ def _first_devices(devices: Sequence[Any], what: str) -> None:
     """Plans place mesh device ``i`` on ``jax.devices()[i]``: a device set must be the first ones JAX lists."""
     import jax
 
-    have = list(jax.devices())
-    if [getattr(d, "id", d) for d in devices] != [d.id for d in have[: len(devices)]]:
+    have, ids = list(jax.devices()), [getattr(d, "id", d) for d in devices]
+    if ids != [d.id for d in have[: len(devices)]]:
         raise MethodOptionError(
-            f"{what}: devices {[getattr(d, 'id', d) for d in devices]} are not the first {len(devices)} of "
+            f"{what}: devices {ids} are not the first {len(devices)} of "
             f"jax.devices() ({[d.id for d in have]}); a plan runs on the first devices of its cluster: pass "
             f"jax.devices()[:{len(devices)}]")
 
@@ -480,7 +480,7 @@ class ShardParallel(ParallelMethod):
 
     def options(self) -> dict[str, Any]:
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
-        out: dict[str, Any] = {"method": (self.auto_sharding_option or AutoShardingOption()).method_name()}
+        out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
         out.update(_mesh_options(self.devices, type(self).__name__))
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
             if "mesh_shape" in out:
