@@ -168,6 +168,10 @@ def test_alpas_option_mutation_and_device_meshes():
         mesh.get_logical_mesh((4, 2))
     with pytest.raises(MethodOptionError, match="mesh_beta must be positive"):
         mesh.get_logical_mesh((2, 2), [1, 1], [0, 1])
+    with pytest.raises(MethodOptionError, match=r"mesh_topology.*not supported: give mesh_alpha and mesh_beta"):
+        mesh.get_logical_mesh((2, 2), mesh_topology="tree")
+    with pytest.raises(MethodOptionError, match=r"num_micro_batches=...\) with a logical mesh as devices"):
+        al.ShardParallel(devices=logical, num_micro_batches=2).options()
     with pytest.raises(ValueError, match=r"ShardParallel\(devices=...\) says which devices.*drop cluster="):
         al.parallelize(lambda s, b: s, method=al.ShardParallel(devices=logical), cluster=al.ClusterSpec.local(1, 4))
 
