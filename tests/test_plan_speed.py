@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -457,12 +458,20 @@ def test_rebalancing_finds_the_lowest_1f1b_period_of_the_placed_stages_by_brute_
     assert checked >= 3 and moved >= 1, (checked, moved)
 
 
-def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(monkeypatch):
-    """``prefetch_layer_costs`` runs the layer ILPs of two meshes at once (threads; CBC in subprocesses): every
-    cost equals ``layer_cost``'s own solve on a fresh problem, and the plan equals the plan made without it."""
+@pytest.mark.parametrize("pool", ["threads", "forked"])
+def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(monkeypatch, pool):
+    """``prefetch_layer_costs`` runs the layer ILPs of two meshes at once (threads, CBC in subprocesses; or forked
+    worker processes, as a large model's are): every cost equals ``layer_cost``'s own solve on a fresh problem, and
+    the plan equals the plan made without it."""
+    import alpa_lab.passes.pipeline as pipeline_pass
     from alpa_lab.passes.inter_op import logical_shapes
     from alpa_lab.passes.submesh import submesh_shapes
 
+    monkeypatch.setenv("ALPA_LAB_PLAN_WORKERS", "2")
+    monkeypatch.setattr(pipeline_pass, "FORK_MIN_WORK", 0 if pool == "forked" else 10**12)
+    forks = []
+    real_pool = pipeline_pass.ProcessPoolExecutor
+    monkeypatch.setattr(pipeline_pass, "ProcessPoolExecutor", lambda *a, **k: forks.append(1) or real_pool(*a, **k))
     ex = tiny_example("gpt")
     cluster = al.ClusterSpec.local(2, 4)
     step = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4)
@@ -482,6 +491,43 @@ def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(m
     assert [(st.layers, st.device_ids, st.logical_shape, st.plan.method) for st in with_prefetch] == [
         (st.layers, st.device_ids, st.logical_shape, st.plan.method) for st in without]
     assert timeline.makespan == timeline_without.makespan
+    assert bool(forks) == (pool == "forked")
+
+
+def _die(*args):
+    os._exit(3)  # a worker process killed mid-solve (out of memory, say)
+
+
+def test_a_dead_layer_cost_worker_loses_nothing(monkeypatch):
+    """A forked worker that dies leaves its meshes to be solved on demand: the plan is the one made without workers."""
+    import alpa_lab.passes.pipeline as pipeline_pass
+
+    ex = tiny_example("mlp")
+    cluster = al.ClusterSpec.local(2, 4)
+    graph = al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4).trace(*ex.args)
+    monkeypatch.setattr(pipeline_pass, "FORK_MIN_WORK", 0)
+    monkeypatch.setattr(pipeline_pass, "_price_mesh_forked", _die)
+    problem = PipelineProblem.build(graph, cluster)
+    problem.prefetch_layer_costs([((1, 4), (1, 4)), ((1, 4), (2, 2)), ((2, 4), (2, 4))], "alpa", lambda *mesh: ())
+    assert problem.layer_costs == {}  # the workers died: nothing came back, and no error
+    _, survived, timeline = plan_pipeline(graph, cluster, num_microbatches=4, problem=problem)
+    monkeypatch.setattr(PipelineProblem, "prefetch_layer_costs", lambda *a, **k: None)
+    _, serial, timeline_serial = plan_pipeline(graph, cluster, num_microbatches=4)
+    assert [(st.layers, st.device_ids, st.logical_shape) for st in survived] == [
+        (st.layers, st.device_ids, st.logical_shape) for st in serial]
+    assert timeline.makespan == timeline_serial.makespan
+
+
+def test_plan_workers_reads_its_variable(monkeypatch):
+    from alpa_lab.passes.pipeline import plan_workers
+
+    monkeypatch.setenv("ALPA_LAB_PLAN_WORKERS", "3")
+    assert plan_workers() == 3
+    monkeypatch.setenv("ALPA_LAB_PLAN_WORKERS", "many")
+    with pytest.raises(ValueError, match="ALPA_LAB_PLAN_WORKERS must be a whole number"):
+        plan_workers()
+    monkeypatch.delenv("ALPA_LAB_PLAN_WORKERS")
+    assert 2 <= plan_workers() <= 8
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt", "moe", "wide_resnet"])

@@ -24,9 +24,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import multiprocessing as mp
+import os
+import sys
 import time
+import warnings
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from dataclasses import dataclass, field
@@ -75,6 +79,34 @@ def in_logical_space(space: str, submesh: Shape, logical: Shape, devices_per_hos
 
 
 LAYER_GRAPHS_KEPT = 16
+
+FORK_MIN_WORK = 20_000
+"""(ops in the distinct layers) x (meshes to price) from which the layer ILPs go to forked processes: GPT-39B
+on 64 devices is about 40,000 (priced in 4.1 s there against 7.1 s in threads, 2 cores); the tiny examples on
+8 devices are a few thousand, where forking a process holding JAX costs more than it saves"""
+
+_FORKED_JOB: tuple | None = None
+"""(problem, method, more) while ``prefetch_layer_costs`` runs a fork pool: what its workers inherit"""
+
+
+def plan_workers() -> int:
+    """How many meshes the planner prices at once: ``ALPA_LAB_PLAN_WORKERS``, else this process's cores (at most 8)."""
+    env = os.environ.get("ALPA_LAB_PLAN_WORKERS")
+    if env:
+        try:
+            return max(int(env), 1)
+        except ValueError:
+            raise ValueError(f"ALPA_LAB_PLAN_WORKERS must be a whole number of worker processes, got {env!r}") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(min(cores, 8), 2)
+
+
+def _price_mesh_forked(mesh: tuple, known: dict) -> dict:
+    """In a forked worker: ``_price_mesh`` on the inherited problem, after taking the costs ``known`` (a
+    transposed twin's, solved by another worker); returns that mesh's entries to merge into the parent's cache."""
+    problem, method, more = _FORKED_JOB
+    problem.layer_costs.update(known)
+    return problem._price_mesh(mesh, method, more)
 
 __all__ = [
     "LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages", "stage_schedule",
@@ -246,10 +278,7 @@ class PipelineProblem:
             self.layer_graphs.move_to_end(key)
             rep, sg, kinds = self.layer_graphs[key]
             return self.slicing.ops_of([rep], (FORWARD, BACKWARD)), sg, kinds
-        if self.layer_keys[layer] not in self.layer_pieces:
-            piece = subgraph(self.graph, self.slicing.ops_of([layer], (FORWARD, BACKWARD)), consumers=self.consumers or None)
-            self.layer_pieces[self.layer_keys[layer]] = (layer, piece, self.piece_kinds(piece))
-        rep, piece, kinds = self.layer_pieces[self.layer_keys[layer]]
+        rep, piece, kinds = self._layer_piece(layer)
         sg = self.with_batch(
             build_strategy_graph(piece.graph, self.mesh(submesh, logical), argument_kinds=kinds, reuse_repeated_blocks=self.reuse),
             piece,
@@ -258,6 +287,13 @@ class PipelineProblem:
         if len(self.layer_graphs) > LAYER_GRAPHS_KEPT:
             self.layer_graphs.popitem(last=False)
         return self.slicing.ops_of([rep], (FORWARD, BACKWARD)), sg, kinds
+
+    def _layer_piece(self, layer: int) -> tuple[int, Subgraph, dict[int, str]]:
+        """(the first layer of ``layer``'s kind, its program, its argument kinds), cut once per kind"""
+        if self.layer_keys[layer] not in self.layer_pieces:
+            piece = subgraph(self.graph, self.slicing.ops_of([layer], (FORWARD, BACKWARD)), consumers=self.consumers or None)
+            self.layer_pieces[self.layer_keys[layer]] = (layer, piece, self.piece_kinds(piece))
+        return self.layer_pieces[self.layer_keys[layer]]
 
     def _solve_layer(self, layer: int, submesh: Shape, logical: Shape, method: str) -> LayerCost | None:
         if not self.slicing.ops_of([layer], (FORWARD, BACKWARD)):
@@ -378,36 +414,24 @@ class PipelineProblem:
 
     def prefetch_layer_costs(
         self, meshes: Sequence[tuple[Shape, Shape]], method: str, more: Callable[[Shape, Shape], Sequence[str]],
-        workers: int = 2, report: Callable[[], None] | None = None,
+        workers: int | None = None, report: Callable[[], None] | None = None,
     ) -> None:
-        """Solve the layer ILPs the DP will ask for, ``workers`` meshes at a time: each ILP runs in a CBC
-        subprocess, so one mesh's CBC overlaps another's Python (its strategy graphs, the reductions).
+        """Solve the layer ILPs the DP will ask for, one mesh per task, ``workers`` tasks at a time
+        (default ``plan_workers()``).
 
         Per mesh: every distinct layer in ``method``, then in ``more(submesh, logical)`` (the layouts
         the DP will also ask for there, which need ``method``'s costs to know) while that mesh's
         layer graphs are still kept. Each solve is the one ``layer_cost`` would make, stored under its key.
-        ``report`` is called (in this thread) as each mesh is done.
+        A large problem's meshes go to forked worker processes (``_fork_pool_ok``): strategy graphs and
+        reductions are Python and hold the GIL, so threads overlap only CBC; a small one's go to threads,
+        where a fork would cost more than it saves. ``report`` is called (in this thread) as each mesh is done.
         """
-        reps = {self.layer_keys[lay]: lay for lay in reversed(range(self.slicing.num_layers))}  # first of each kind
+        global _FORKED_JOB
+        workers = plan_workers() if workers is None else workers
+        reps = self._layer_reps()
         todo = [m for m in meshes if any((k, *m, method) not in self.layer_costs for k in reps)]
         if workers < 2 or len(todo) < 2:
             return
-
-        def solve(mesh: tuple[Shape, Shape], how: str) -> None:
-            twin = self.transposed_twin(*mesh, how)
-            for k, lay in reps.items():
-                if (k, *mesh, how) in self.layer_costs:
-                    continue
-                if twin is not None and (k, mesh[0], twin, how) in self.layer_costs:
-                    self.layer_costs[(k, *mesh, how)] = self.layer_costs[(k, mesh[0], twin, how)]
-                else:
-                    self.layer_costs[(k, *mesh, how)] = self._solve_layer(lay, *mesh, how)
-
-        def work(mesh: tuple[Shape, Shape]) -> None:
-            solve(mesh, method)
-            for how in more(*mesh):
-                solve(mesh, how)
-
         # a (1, n) view whose (n, 1) twin is also asked for goes once that one is done, and copies what the two
         # share; the rest go largest logical mesh first (the longest ILPs: a long one last would leave a worker idle)
         after: dict[tuple[Shape, Shape], tuple[Shape, Shape]] = {}
@@ -417,18 +441,74 @@ class PipelineProblem:
                 after[(m[0], twin)] = m
         first = sorted((m for m in todo if m not in after.values()), key=lambda m: -m[1][0] * m[1][1])
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            running = {pool.submit(work, m): m for m in first}
-            while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    m = running.pop(future)
-                    future.result()
-                    if m in after:
-                        running[pool.submit(work, after[m])] = after[m]
-                    if report is not None:
-                        report()
+        forked = self._fork_pool_ok(len(todo))
+        if forked:
+            for lay in reps.values():  # cut before the fork, so every worker shares the pieces
+                self._layer_piece(lay)
+            _FORKED_JOB = (self, method, more)
+            pool: Any = ProcessPoolExecutor(max_workers=min(workers, len(first) + len(after)), mp_context=mp.get_context("fork"))
+        else:
+            pool = ThreadPoolExecutor(max_workers=workers)
+        try:
+            with pool, warnings.catch_warnings():
+                # JAX warns at every fork of a process it runs in; the workers never call JAX (numpy, CBC)
+                warnings.filterwarnings("ignore", message=r".*fork\(\)", category=RuntimeWarning)
+                warnings.filterwarnings("ignore", message=r".*fork\(\)", category=DeprecationWarning)
+
+                def submit(m: tuple[Shape, Shape], known: dict) -> Any:
+                    if forked:
+                        return pool.submit(_price_mesh_forked, m, known)
+                    return pool.submit(self._price_mesh, m, method, more)
+
+                running = {submit(m, {}): m for m in first}
+                while running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        m = running.pop(future)
+                        found = future.result()
+                        if forked:
+                            self.layer_costs.update(found)
+                        if m in after:
+                            running[submit(after[m], found if forked else {})] = after[m]
+                        if report is not None:
+                            report()
+        except BrokenExecutor:  # a worker process died (killed, out of memory): what is missing is solved here, on demand
+            pass
+        finally:
+            _FORKED_JOB = None
         self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
+
+    def _layer_reps(self) -> dict[int, int]:
+        """layer key -> the first layer of that kind"""
+        return {self.layer_keys[lay]: lay for lay in reversed(range(self.slicing.num_layers))}
+
+    def _price_mesh(self, mesh: tuple[Shape, Shape], method: str, more: Callable[[Shape, Shape], Sequence[str]]) -> dict:
+        """Every distinct layer's cost on ``mesh`` in ``method``, then in ``more(*mesh)``; returns those entries."""
+        reps = self._layer_reps()
+
+        def solve(how: str) -> None:
+            twin = self.transposed_twin(*mesh, how)
+            for k, lay in reps.items():
+                if (k, *mesh, how) in self.layer_costs:
+                    continue
+                if twin is not None and (k, mesh[0], twin, how) in self.layer_costs:
+                    self.layer_costs[(k, *mesh, how)] = self.layer_costs[(k, mesh[0], twin, how)]
+                else:
+                    self.layer_costs[(k, *mesh, how)] = self._solve_layer(lay, *mesh, how)
+
+        solve(method)
+        for how in more(*mesh):
+            solve(how)
+        return {key: cost for key, cost in list(self.layer_costs.items()) if (key[1], key[2]) == mesh}
+
+    def _fork_pool_ok(self, num_meshes: int) -> bool:
+        """Price the meshes in forked processes: where the work is large enough to repay forking this process,
+        the platform forks, and no Ray driver runs here (its client's threads should not be forked)."""
+        ops = sum(len(self.slicing.ops_of([lay], (FORWARD, BACKWARD))) for lay in self._layer_reps().values())
+        if ops * num_meshes < FORK_MIN_WORK or "fork" not in mp.get_all_start_methods():
+            return False
+        ray = sys.modules.get("ray")
+        return not (ray is not None and getattr(ray, "is_initialized", lambda: False)())
 
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
         """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
