@@ -1060,8 +1060,18 @@ class Executable:
         return jax.tree_util.tree_unflatten(tree, placed)
 
     def get_hlo_text(self) -> str | list[str]:
+        """XLA's optimised HLO: the single-mesh program's text; a pipeline's unit tasks in Alpa's order, the
+        forward stages first to last, the backward stages in the order they run (last to first), then each
+        stage's update (Alpa's tests index them so: ``texts[0]`` is stage 0's forward, ``texts[-1]`` the last update)."""
         if isinstance(self.compiled, CompiledPipeline):
-            return [text for _, text in sorted(self.compiled.task_hlo().items())]
+            order = {"forward": 0, "backward": 1, "backward_input": 1, "backward_weight": 2, "apply": 3}
+
+            def alpa_order(key: tuple[int, str]) -> tuple[int, int]:
+                stage, phase = key
+                rank = order.get(phase, 4)
+                return rank, (-stage if rank in (1, 2) else stage)
+
+            return [text for _, text in sorted(self.compiled.task_hlo().items(), key=lambda kv: alpa_order(kv[0]))]
         return self.compiled.lower_text(*self.flat_args)
 
     @property

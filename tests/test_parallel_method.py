@@ -316,9 +316,14 @@ def test_executables_show_xlas_hlo_as_alpas_tests_read_it(mlp):
     pipelined = al.parallelize(mlp.train_step, cluster=al.ClusterSpec.local(2, 4, calibrated=False), method=al.PipeshardParallel(
         num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2), default_auto_sharding_option=al.AutoShardingOption(
             force_data_parallel=True)))
-    texts = pipelined.get_executable(*mlp.args).get_hlo_text()
+    executable = pipelined.get_executable(*mlp.args)
+    texts = executable.get_hlo_text()
     plan = pipelined.current_plan
     assert isinstance(texts, list) and len(texts) == 3 * plan.num_stages  # forward, backward, update per stage
+    # Alpa's order, as its tests index them: forward stages, backward stages as they run (last first), updates
+    S, by_task = plan.num_stages, executable.compiled.task_hlo()
+    assert texts == ([by_task[(s, "forward")] for s in range(S)] + [by_task[(s, "backward")] for s in reversed(range(S))]
+                     + [by_task[(s, "apply")] for s in range(S)])
     assert all(t.startswith("HloModule") for t in texts)
     joined = pipelined.compiled_hlo(*mlp.args)
     assert all(t in joined for t in texts) and joined.count("// stage ") == len(texts)
