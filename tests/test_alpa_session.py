@@ -417,3 +417,41 @@ def test_jax_grad_around_a_boundary_says_to_use_alpa_grad():
     p = al.parallelize(step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
     with pytest.raises(al.TraceError, match="inside a gradient that jax.grad.*alpa_lab.grad / alpa_lab.value_and_grad"):
         p(jnp.ones((8, 8)), jnp.ones((16, 8)))
+
+
+class LinearMLP(nn.Module):
+    """Alpa's testing MLP: Dense layers without activations, the boundary after the first half."""
+
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(4):
+            x = nn.Dense(self.hidden)(x)
+            if i == 1:
+                al.mark_pipeline_boundary()
+        return x
+
+
+def test_force_data_parallel_pipeline_communicates_only_for_gradients():
+    """Alpa's test_reduce_scatter (MLP): with ``force_data_parallel`` and ``prefer_reduce_scatter`` every stage is
+    data parallel end to end, the activations it receives split over the batch as its inputs are. Oracle: XLA's
+    compiled HLO in Alpa's order: forward tasks without a collective (before, the second stage received its
+    activation whole and split its layers by columns: an all-gather and an all-reduce in its forward), each
+    backward one gradient all-reduce (CPU lowers the reduce-scatter so), each update all-gathering its new weights
+    (split with the momentum, ZeRO-2; stock XLA does not combine them into one as Alpa's XLA did)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 16))
+    model = LinearMLP()
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x),
+                              tx=optax.sgd(1e-2, momentum=0.9))
+    batch = {"x": x, "y": jnp.sin(x)}
+    method = al.PipeshardParallel(
+        num_micro_batches=4, layer_option="manual", stage_option=al.UniformStageOption(),
+        default_auto_sharding_option=al.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True))
+    p = al.parallelize(train_step, method=method)
+    counts = [al.count_communication_primitives(t, ignore_scalar_all_reduce=True) for t in p.get_executable(state, batch).get_hlo_text()]
+    assert len(counts) == 6
+    assert counts[0][0] == 0 and counts[1][0] == 0, counts  # forward of stages 0 and 1
+    assert counts[2][:2] == (1, 1) and counts[3][:2] == (1, 1), counts  # backward: one all-reduce each
+    assert all(c[0] == c[2] >= 1 for c in counts[4:]), counts  # updates: all-gathers only
+    assert_close(jax.jit(train_step)(state, batch).params, p(state, batch).params, "params")

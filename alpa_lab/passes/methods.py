@@ -111,8 +111,11 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
     mesh_shape = sg.mesh.shape
     all_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
     out: dict[str, tuple[str, ...]] = {}
-    # the batch: data leaves leading with the batch size; other data (a raw key, class weights) stays whole
+    # the batch: data leaves leading with the batch size; other data (a raw key, class weights) stays whole. A
+    # pipeline stage that reads no data takes it from the activations it receives
     batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "data"])
+    if batch is None:
+        batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "activation"])
     for vid, kind in sg.argument_kinds.items():
         if vid not in sg.node_of_var:
             continue
@@ -120,6 +123,17 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
         specs = [s.output_specs[0] for s in node.strategies]
         shape = sg.var_info[vid][0]
         replicated = [ShardingSpec.replicated(len(shape))]
+        if kind == "activation":
+            # what a pipeline stage receives from another (an activation, or its gradient): split over the batch
+            # as the method splits the batch (Megatron: over axis 0, whole over the model axis), so a
+            # data-parallel stage is data parallel end to end; left to the ILP where it has no batch dimension
+            axes = ((0,) if mesh_shape[0] > 1 else ()) if method == "megatron" else all_axes
+            if not shape or shape[0] != batch:
+                continue
+            allowed = [s for s in specs if s.dims[0] == axes and not any(s.dims[1:])] if axes else replicated
+            if allowed:
+                out[node.name] = tuple(str(s) for s in allowed)
+            continue
         if kind == "data":
             if method == "megatron":  # data parallel only along mesh axis 0
                 axes = (0,) if mesh_shape[0] > 1 else ()
