@@ -340,7 +340,7 @@ class _Dense:
         self.sizes, self.shift = sizes, shift
         self.L, self.D = L, D
         self._times: dict[int | None, np.ndarray] = {}
-        self._diagonals: dict[int | None, list] = {}  # per need, for bands()
+        self._diagonals: dict[int | None, tuple] = {}  # per need, for bands()
         self._options: tuple[np.ndarray, ...] | None = None  # start, end, size index, time, limit, fastest
         self.times = self.times_for(None)
 
@@ -379,24 +379,33 @@ class _Dense:
         stages a few layers wide, so there are few runs (14 widths at most for GPT-3 175B's 96 layers)."""
         diagonals = self._diagonals.get(need)
         if diagonals is None:  # per (size, width): the times along that diagonal, and their running minima
-            table, diagonals = self.times_for(need), []
+            table, rows = self.times_for(need), []
             for j, size in enumerate(self.sizes):
                 t = table[:, :, j]
                 starts, ends = np.nonzero(np.isfinite(t))
                 for width in np.unique(ends - starts):
                     v = np.diagonal(t, offset=int(width)).copy()  # v[k] = t[k, k + width]
-                    left = -np.minimum.accumulate(v)  # ascending: searchsorted finds the first start <= a time
-                    right = -np.minimum.accumulate(v[::-1])  # likewise the last start
-                    diagonals.append((size, int(width), v, left, right, float(v[np.isfinite(v)].max())))
-            self._diagonals[need] = diagonals
+                    rows.append((size, int(width), v, float(v[np.isfinite(v)].max())))
+            # the running minima of every diagonal, one row each (padded with +inf, which no search counts):
+            # ascending, so the count of entries below -t_max is where ``searchsorted`` would put it, for every
+            # diagonal at once (a t_max search asks bands() a few hundred times, over a hundred diagonals each)
+            left = np.full((len(rows), self.L + 1), np.inf)
+            right = np.full((len(rows), self.L + 1), np.inf)
+            for r, (_, _, v, _) in enumerate(rows):
+                left[r, : len(v)] = -np.minimum.accumulate(v)  # the first start <= a time
+                right[r, : len(v)] = -np.minimum.accumulate(v[::-1])  # likewise the last start
+            lengths = np.array([len(v) for _, _, v, _ in rows], dtype=np.int64)
+            slowest = np.array([top for *_, top in rows])
+            diagonals = self._diagonals[need] = (rows, left, right, lengths, slowest)
+        rows, left, right, lengths, slowest = diagonals
+        limits = np.minimum(t_max, slowest)  # finite: an infinite time is never allowed
+        first = (left < -limits[:, None]).sum(axis=1)
+        last = lengths - (right < -limits[:, None]).sum(axis=1)
         out = []
-        for size, width, v, left, right, slowest in diagonals:
-            limit = min(t_max, slowest)  # finite: an infinite time is never allowed
-            k0 = int(np.searchsorted(left, -limit, side="left"))
-            if k0 == len(v):
-                continue
-            k1 = len(v) - int(np.searchsorted(right, -limit, side="left"))
-            run = v[k0:k1]
+        for r in np.flatnonzero(first < lengths):
+            size, width, v, _ = rows[r]
+            limit, k0 = limits[r], int(first[r])
+            run = v[k0 : int(last[r])]
             if run.max() > limit:  # starts in between with no option, or none <= t_max
                 run = np.where(run <= limit, run, math.inf)
             out.append((size, width, k0, run))
