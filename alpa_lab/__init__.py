@@ -23,7 +23,7 @@ if "jax" not in _sys.modules and "xla_force_host_platform_device_count" not in _
 import importlib as _importlib
 
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
-from alpa_lab.graph.markers import grad, mark_pipeline_boundary, mark_stage_boundary, value_and_grad
+from alpa_lab.graph.markers import grad, manual_layer_construction, mark_pipeline_boundary, mark_stage_boundary, value_and_grad
 from alpa_lab.graph.trace import TraceError, trace
 from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, count_communication_primitives
 from alpa_lab.sharding.constraints import DeviceError
@@ -96,6 +96,7 @@ __all__ = [
     "get_global_num_devices",
     "grad",
     "init",
+    "manual_layer_construction",
     "mark_pipeline_boundary",
     "mark_stage_boundary",
     "parallelize",

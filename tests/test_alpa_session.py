@@ -455,3 +455,39 @@ def test_force_data_parallel_pipeline_communicates_only_for_gradients():
     assert counts[2][:2] == (1, 1) and counts[3][:2] == (1, 1), counts  # backward: one all-reduce each
     assert all(c[0] == c[2] >= 1 for c in counts[4:]), counts  # updates: all-gathers only
     assert_close(jax.jit(train_step)(state, batch).params, p(state, batch).params, "params")
+
+
+@pytest.mark.parametrize("micro_batches,remat,layer_option", [(1, False, None), (1, False, "manual"), (4, True, "manual")])
+def test_jax_grad_of_a_manual_layer_construction_loss_pipelines(micro_batches, remat, layer_option):
+    """Alpa's pipeline test_mlp as written for Alpa: ``jax.grad`` (not ``alpa.grad``) of a loss decorated with
+    ``@manual_layer_construction``, a ``mark_pipeline_boundary()`` in the model, ``PipeshardParallel()`` as it
+    comes (or its manual layer option): the step is cut there into two stages (with ``remat_layer``, each under
+    ``jax.checkpoint``), and its gradients equal ``jax.jit``'s. (Before, jax.grad could not be cut there.)"""
+    state, batch = mlp_state(hidden=64, batch=64)
+
+    def train_step(state, batch):
+        @al.manual_layer_construction
+        def loss_func(params, x, y):
+            return jnp.mean((state.apply_fn(params, x) - y) ** 2)
+
+        return jax.grad(loss_func)(state.params, batch["x"], batch["y"])
+
+    method = (al.PipeshardParallel() if layer_option is None else
+              al.PipeshardParallel(num_micro_batches=micro_batches, layer_option=al.ManualLayerOption(remat_layer=remat)))
+    p = al.parallelize(train_step, donate_argnums=(), method=method)
+    assert_close(jax.jit(train_step)(state, batch), p(state, batch), "gradients")
+    plan = p.current_plan
+    assert plan.num_layers == 2 and plan.num_stages == 2
+    if remat:  # only each layer's input is kept for the backward, as without the decorator under alpa.grad
+        plain = al.parallelize(train_step, donate_argnums=(), method=al.PipeshardParallel(
+            num_micro_batches=micro_batches, layer_option="manual")).plan(state, batch)
+        assert plan.stages[0].activation_memory < 0.7 * plain.stages[0].activation_memory
+
+
+def test_manual_layer_construction_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match=r"ManualLayerOption\(remat_layer=True\)"):
+        al.manual_layer_construction(lambda p: p, remat_layer=True)
+    with pytest.raises(ValueError, match="static_argnums"):
+        al.manual_layer_construction(static_argnums=(1,))
+    loss = al.manual_layer_construction(lift_markers=True)(lambda w: jnp.sum(w**2))
+    assert float(jax.grad(loss)(jnp.ones(3))[0]) == 2.0  # outside a plan's trace: the loss itself

@@ -48,7 +48,8 @@ from alpa_lab.graph.evaluate import bind_op, evaluate, last_uses
 from alpa_lab.graph.opgraph import Op, is_inexact
 
 __all__ = [
-    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "cutting_boundaries", "grad", "is_cut", "mark_stage_boundary", "pipeline_marker_p",
+    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "cutting_boundaries", "grad", "is_cut", "manual_layer_construction",
+    "mark_stage_boundary", "pipeline_marker_p",
     "value_and_grad", "watch_boundaries", "watching_boundaries",
 ]
 
@@ -67,6 +68,8 @@ _CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("alpa_
 """Names of the argument-less ``mark_stage_boundary()`` calls made while ``trace`` watches."""
 _CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_cutting", default=False)
 """Whether ``value_and_grad`` turns argument-less boundaries into tensor boundaries."""
+_IN_VALUE_AND_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_in_value_and_grad", default=False)
+"""Whether an ``alpa_lab.value_and_grad`` is differentiating (it cuts and rematerializes its loss itself)."""
 
 _CALLS_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 """Calls an argument-less boundary may sit in: pure structure, so they are inlined to cut there."""
@@ -672,20 +675,33 @@ def _inexact(x: Any) -> bool:
     return dtype is not None and dtype != jax.dtypes.float0 and jax.dtypes.issubdtype(dtype, np.inexact)
 
 
+def _prepared(fun: Callable, args: tuple, kw: dict) -> tuple[Callable, dict]:
+    """The loss function as a plan's trace differentiates it, and the keyword arguments to call it with: cut at its
+    argument-less boundaries (``_cut``), else cut into the layers ``auto_layers`` asks for (``_layered``), and
+    with remat each layer under ``jax.checkpoint``; as it is outside a plan's trace."""
+    f = _cut(fun, args, kw) if _CUTTING.get() else None
+    num_layers = _AUTO_LAYERS.get()
+    layered = False  # whether _layered cut it (and, with remat, checkpointed its layers)
+    if f is None:
+        f = _layered(fun, num_layers, args, kw) if num_layers else fun
+        layered = f is not fun
+    if _REMAT.get() and not layered:
+        f = _rematerialized(f, args, kw if f is fun else {})
+    return f, ({} if f is not fun else kw)  # the cut, layered or rematerialized function closed over them
+
+
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
     """``jax.value_and_grad`` that marks the loss and every gradient leaf (see module doc)."""
 
     def wrapped(*args: Any, **kw: Any) -> Any:
-        f = _cut(fun, args, kw) if _CUTTING.get() else None
-        num_layers = _AUTO_LAYERS.get()
-        layered = False  # whether _layered cut it (and, with remat, checkpointed its layers)
-        if f is None:
-            f = _layered(fun, num_layers, args, kw) if num_layers else fun
-            layered = f is not fun
-        if _REMAT.get() and not layered:
-            f = _rematerialized(f, args, kw if f is fun else {})
-        if f is not fun:
-            kw = {}  # the cut, layered or rematerialized function closed over them
+        token = _IN_VALUE_AND_GRAD.set(True)  # a manual_layer_construction loss is then cut here, not by itself
+        try:
+            return differentiate(*args, **kw)
+        finally:
+            _IN_VALUE_AND_GRAD.reset(token)
+
+    def differentiate(*args: Any, **kw: Any) -> Any:
+        f, kw = _prepared(fun, args, kw)
 
         def marked(*a: Any, **k: Any) -> Any:
             return _mark_loss(f(*a, **k), has_aux)
@@ -695,6 +711,72 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     wrapped.__name__ = f"value_and_grad({getattr(fun, '__name__', 'fun')})"
     wrapped.__doc__ = getattr(fun, "__doc__", None)
+    return wrapped
+
+
+@jax.custom_vjp
+def _gradient_point(x: Any) -> Any:
+    """The identity, whose backward puts a gradient marker on the cotangent: on a loss function's argument, the
+    marker lands on its gradient, as ``alpa_lab.grad`` marks the gradients it returns."""
+    return x
+
+
+def _gradient_point_fwd(x: Any) -> tuple[Any, None]:
+    return x, None
+
+
+def _gradient_point_bwd(_: None, g: Any) -> tuple[Any]:
+    return (_mark_gradients(g),)
+
+
+_gradient_point.defvjp(_gradient_point_fwd, _gradient_point_bwd)
+
+
+def _is_scalar(x: Any) -> bool:
+    return getattr(x, "shape", None) == () and _inexact(x)
+
+
+def manual_layer_construction(
+    fun: Callable | None = None, *, lift_markers: bool = False, remat_layer: bool = False, static_argnums: Sequence[int] = (),
+) -> Callable:
+    """Alpa's decorator for a loss function whose ``mark_pipeline_boundary()`` calls cut the program, so that
+    ``jax.grad(manual_layer_construction(loss_func))`` pipelines as ``alpa_lab.grad(loss_func)`` does.
+
+    While a plan traces the step, the loss runs as ``alpa_lab.grad`` would run it (``_prepared``): with a boundary
+    marker on every tensor that crosses each argument-less boundary, which plain ``jax.grad`` differentiates like
+    any marked tensor (without one, cut into the layers an ``AutoLayerOption`` asks for), with remat
+    (``ManualLayerOption(remat_layer=True)``, ``parallelize(remat=True)``) each layer under ``jax.checkpoint``;
+    its loss and, through its arguments' backward, its gradients are marked as ``alpa_lab.grad`` marks them.
+    Run eagerly or under plain ``jax.jit`` it is ``loss_func``. ``lift_markers`` is
+    accepted (the boundaries are always where you put them); ``remat_layer`` and ``static_argnums`` are not:
+    the layer option says remat, and Python values are kept static as they are.
+    """
+    if remat_layer:
+        raise ValueError("manual_layer_construction(remat_layer=True) is not supported: ask for it in the method, "
+                         "PipeshardParallel(layer_option=ManualLayerOption(remat_layer=True)), or parallelize(remat=True)")
+    if tuple(static_argnums or ()):
+        raise ValueError(f"manual_layer_construction(static_argnums={tuple(static_argnums)}) is not supported: pass Python "
+                         "values of the loss function positionally as they are (they are kept static), or close over them")
+    if fun is None:  # @manual_layer_construction(...) with options
+        return lambda f: manual_layer_construction(f, lift_markers=lift_markers)
+
+    def wrapped(*args: Any, **kw: Any) -> Any:
+        if _IN_VALUE_AND_GRAD.get() or not watching_boundaries():  # alpa_lab.grad cuts it, or no plan is traced
+            return fun(*args, **kw)
+        f, kw = _prepared(fun, args, kw)
+        # what alpa_lab.value_and_grad marks around jax's: the loss, and (through the arguments' backward) every
+        # gradient leaf, so the pipeline tells the forward and backward from the update
+        args = jax.tree_util.tree_map(lambda a: _gradient_point(a) if _inexact(a) else a, args)
+        out = f(*args, **kw)
+        if _is_scalar(out):
+            return _mark_loss(out, False)
+        if isinstance(out, (tuple, list)) and len(out) == 2 and _is_scalar(out[0]):  # (loss, aux): has_aux=True
+            return _mark_loss(tuple(out), True)
+        return out
+
+    wrapped.__name__ = getattr(fun, "__name__", "loss_func")
+    wrapped.__doc__ = getattr(fun, "__doc__", None)
+    wrapped.__wrapped__ = fun  # type: ignore[attr-defined]
     return wrapped
 
 
