@@ -415,7 +415,7 @@ def test_jax_grad_around_a_boundary_says_to_use_alpa_grad():
         return w - 0.1 * jax.grad(loss)(w, x)
 
     p = al.parallelize(step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
-    with pytest.raises(al.TraceError, match="inside a gradient that jax.grad.*alpa_lab.grad / alpa_lab.value_and_grad"):
+    with pytest.raises(al.TraceError, match="inside a gradient that jax.grad.*alpa_lab.grad.*manual_layer_construction"):
         p(jnp.ones((8, 8)), jnp.ones((16, 8)))
 
 

@@ -87,7 +87,8 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
                 f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
                 "is inside a gradient that jax.grad / jax.value_and_grad takes, which cannot mirror the cut in the "
                 "backward pass: take the gradient with alpa_lab.grad / alpa_lab.value_and_grad (the same arguments), "
-                "or mark the tensors that cross: x = mark_stage_boundary(x)"
+                "decorate the loss function with @alpa_lab.manual_layer_construction (as Alpa's code does), or mark the "
+                "tensors that cross: x = mark_stage_boundary(x)"
             )
         raise TraceError(
             f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
