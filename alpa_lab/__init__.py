@@ -23,7 +23,9 @@ if "jax" not in _sys.modules and "xla_force_host_platform_device_count" not in _
 import importlib as _importlib
 
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
-from alpa_lab.graph.markers import grad, manual_layer_construction, mark_pipeline_boundary, mark_stage_boundary, value_and_grad
+from alpa_lab.graph.markers import (
+    automatic_layer_construction, grad, manual_layer_construction, mark_pipeline_boundary, mark_stage_boundary, value_and_grad,
+)
 from alpa_lab.graph.trace import TraceError, trace
 from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, count_communication_primitives
 from alpa_lab.sharding.constraints import DeviceError
@@ -90,6 +92,7 @@ __all__ = [
     "ShardingSpec",
     "ShardingSpecError",
     "TraceError",
+    "automatic_layer_construction",
     "clear_executable_cache",
     "count_communication_primitives",
     "get_global_cluster",

@@ -4,6 +4,7 @@ Ray), the batch argument Alpa assumes, ``get_last_executable()``'s objective, me
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -484,10 +485,32 @@ def test_jax_grad_of_a_manual_layer_construction_loss_pipelines(micro_batches, r
         assert plan.stages[0].activation_memory < 0.7 * plain.stages[0].activation_memory
 
 
-def test_manual_layer_construction_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match=r"ManualLayerOption\(remat_layer=True\)"):
-        al.manual_layer_construction(lambda p: p, remat_layer=True)
+def test_layer_construction_decorators_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="static_argnums"):
         al.manual_layer_construction(static_argnums=(1,))
-    loss = al.manual_layer_construction(lift_markers=True)(lambda w: jnp.sum(w**2))
+    with pytest.raises(ValueError, match="layer_num"):
+        al.automatic_layer_construction(layer_num=0)
+    loss = al.manual_layer_construction(lift_markers=True, remat_layer=True)(lambda w: jnp.sum(w**2))
     assert float(jax.grad(loss)(jnp.ones(3))[0]) == 2.0  # outside a plan's trace: the loss itself
+    assert float(jax.grad(al.automatic_layer_construction(lambda w: jnp.sum(w**3), layer_num=2))(jnp.ones(3))[0]) == 3.0
+
+
+def test_jax_grad_of_an_automatic_layer_construction_loss_pipelines():
+    """Alpa's ``@automatic_layer_construction(layer_num=4)`` on a loss without boundaries, differentiated by
+    ``jax.grad``: the decorator's layer count wins over the method's (2), and the gradients equal ``jax.jit``'s."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 7)
+    params = [jax.random.normal(k, (32, 32)) * 0.2 for k in keys[:6]]
+    x = jax.random.normal(keys[6], (16, 32))
+
+    def step(params, x):
+        @functools.partial(al.automatic_layer_construction, layer_num=4)
+        def loss_func(params, x):
+            for w in params:
+                x = jnp.tanh(x @ w)
+            return jnp.mean(x**2)
+
+        return jax.grad(loss_func)(params, x)
+
+    p = al.parallelize(step, donate_argnums=(), method=al.PipeshardParallel(num_micro_batches=2))
+    assert_close(jax.jit(step)(params, x), p(params, x), "gradients")
+    assert p.current_plan.num_layers == 4

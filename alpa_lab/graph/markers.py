@@ -48,7 +48,8 @@ from alpa_lab.graph.evaluate import bind_op, evaluate, last_uses
 from alpa_lab.graph.opgraph import Op, is_inexact
 
 __all__ = [
-    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "cutting_boundaries", "grad", "is_cut", "manual_layer_construction",
+    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "automatic_layer_construction", "cutting_boundaries", "grad", "is_cut",
+    "manual_layer_construction",
     "mark_stage_boundary", "pipeline_marker_p",
     "value_and_grad", "watch_boundaries", "watching_boundaries",
 ]
@@ -744,26 +745,60 @@ def manual_layer_construction(
 
     While a plan traces the step, the loss runs as ``alpa_lab.grad`` would run it (``_prepared``): with a boundary
     marker on every tensor that crosses each argument-less boundary, which plain ``jax.grad`` differentiates like
-    any marked tensor (without one, cut into the layers an ``AutoLayerOption`` asks for), with remat
-    (``ManualLayerOption(remat_layer=True)``, ``parallelize(remat=True)``) each layer under ``jax.checkpoint``;
-    its loss and, through its arguments' backward, its gradients are marked as ``alpa_lab.grad`` marks them.
-    Run eagerly or under plain ``jax.jit`` it is ``loss_func``. ``lift_markers`` is
-    accepted (the boundaries are always where you put them); ``remat_layer`` and ``static_argnums`` are not:
-    the layer option says remat, and Python values are kept static as they are.
+    any marked tensor (without one, cut into the layers an ``AutoLayerOption`` asks for); with ``remat_layer``
+    (or the method's ``ManualLayerOption(remat_layer=True)``) each layer under ``jax.checkpoint``. Its loss and,
+    through its arguments' backward, its gradients are marked as ``alpa_lab.grad`` marks them. Run eagerly or under
+    plain ``jax.jit`` it is ``loss_func``. ``lift_markers`` is accepted (the boundaries are always where you put
+    them); ``static_argnums`` is not: Python values are kept static as they are.
     """
-    if remat_layer:
-        raise ValueError("manual_layer_construction(remat_layer=True) is not supported: ask for it in the method, "
-                         "PipeshardParallel(layer_option=ManualLayerOption(remat_layer=True)), or parallelize(remat=True)")
-    if tuple(static_argnums or ()):
-        raise ValueError(f"manual_layer_construction(static_argnums={tuple(static_argnums)}) is not supported: pass Python "
-                         "values of the loss function positionally as they are (they are kept static), or close over them")
+    _no_static_argnums("manual_layer_construction", static_argnums)
     if fun is None:  # @manual_layer_construction(...) with options
-        return lambda f: manual_layer_construction(f, lift_markers=lift_markers)
+        return lambda f: manual_layer_construction(f, lift_markers=lift_markers, remat_layer=remat_layer)
+    return _layer_constructed(fun, None, remat_layer)
+
+
+def automatic_layer_construction(
+    fun: Callable | None = None, *, layer_num: int | None = None, remat_layer: bool = False,
+    static_argnums: Sequence[int] = (), eps: float = 0.6, cost_criteria: str = "flops", layer_eps: float = 0.0,
+) -> Callable:
+    """Alpa's decorator that cuts a loss function into ``layer_num`` layers of balanced cost, so that
+    ``jax.grad(automatic_layer_construction(loss_func, layer_num=2))`` pipelines as ``alpa_lab.grad`` with
+    ``AutoLayerOption(layer_num=2)`` does (``layer_num=None``: the method's layer option says how many).
+    ``remat_layer``: each layer under ``jax.checkpoint``. ``eps``, ``cost_criteria`` and ``layer_eps`` (Alpa's
+    clustering knobs) are accepted; this planner's layering balances on its own terms. Run eagerly or under plain
+    ``jax.jit`` it is ``loss_func``."""
+    _no_static_argnums("automatic_layer_construction", static_argnums)
+    if layer_num is not None and (isinstance(layer_num, bool) or not isinstance(layer_num, (int, np.integer)) or layer_num < 1):
+        raise ValueError(f"automatic_layer_construction(layer_num=...) must be a positive integer, got {layer_num!r}")
+    if fun is None:
+        return lambda f: automatic_layer_construction(f, layer_num=layer_num, remat_layer=remat_layer)
+    return _layer_constructed(fun, None if layer_num is None else int(layer_num), remat_layer)
+
+
+def _no_static_argnums(where: str, static_argnums: Sequence[int]) -> None:
+    if tuple(static_argnums or ()):
+        raise ValueError(f"{where}(static_argnums={tuple(static_argnums)}) is not supported: pass Python values of the "
+                         "loss function positionally as they are (they are kept static), or close over them")
+
+
+def _layer_constructed(fun: Callable, layer_num: int | None, remat_layer: bool) -> Callable:
+    """``fun`` that, while a plan traces the step and no ``alpa_lab.value_and_grad`` takes its gradient, runs as
+    that one would run it (``_prepared``, with ``layer_num`` automatic layers and remat if asked) with its loss
+    and its gradients marked; as it is otherwise (both Alpa decorators)."""
 
     def wrapped(*args: Any, **kw: Any) -> Any:
         if _IN_VALUE_AND_GRAD.get() or not watching_boundaries():  # alpa_lab.grad cuts it, or no plan is traced
             return fun(*args, **kw)
-        f, kw = _prepared(fun, args, kw)
+        tokens = []
+        if layer_num is not None:
+            tokens.append((_AUTO_LAYERS, _AUTO_LAYERS.set(layer_num)))
+        if remat_layer:
+            tokens.append((_REMAT, _REMAT.set(True)))
+        try:
+            f, kw = _prepared(fun, args, kw)
+        finally:
+            for var, token in reversed(tokens):
+                var.reset(token)
         # what alpa_lab.value_and_grad marks around jax's: the loss, and (through the arguments' backward) every
         # gradient leaf, so the pipeline tells the forward and backward from the update
         args = jax.tree_util.tree_map(lambda a: _gradient_point(a) if _inexact(a) else a, args)
