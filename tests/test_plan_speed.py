@@ -14,7 +14,7 @@ import alpa_lab as al
 from alpa_lab.api import microbatch_args, trace_microbatched
 from alpa_lab.graph.markers import auto_layers
 from alpa_lab.graph.subgraph import subgraph
-from alpa_lab.graph.trace import trace
+from alpa_lab.graph.trace import param_signature, trace
 from alpa_lab.models import tiny_example
 from alpa_lab.passes.inter_op import stage_dp
 from alpa_lab.passes.intra_op import build_strategy_graph, retie, solve_strategy_graph
@@ -254,6 +254,87 @@ def test_pieces_cut_with_the_consumer_index_equal_pieces_cut_by_scanning():
         ops = PipelineProblem.build(graph, step.cluster).slicing.ops_of([lay])
         a, b = subgraph(graph, ops), subgraph(graph, ops, consumers=consumers)
         assert (a.graph.fingerprint, a.invars, a.outvars, a.var_map) == (b.graph.fingerprint, b.invars, b.outvars, b.var_map)
+
+
+def test_a_piece_copies_every_field_of_its_ops_and_tensors():
+    """``subgraph`` copies ops and tensors field by field (faster than ``dataclasses.replace``): each is the whole
+    program's, renumbered; and a piece's fingerprint (from the program's, its ops and results) tells pieces apart."""
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 2), microbatches=2, layers=4)
+    graph = step.trace(*ex.args)
+    problem = PipelineProblem.build(graph, step.cluster)
+    ops = problem.slicing.ops_of([1, 2])
+    piece = subgraph(graph, ops)
+    back = {new: old for old, new in piece.var_map.items()}
+    for new_op, i in zip(piece.graph.ops, ops):
+        old = graph.ops[i]
+        want = dataclasses.replace(old, index=new_op.index, inputs=tuple(piece.var_map[v] for v in old.inputs),
+                                   outputs=tuple(piece.var_map[v] for v in old.outputs))
+        assert [getattr(new_op, f.name) for f in dataclasses.fields(new_op)] == [getattr(want, f.name) for f in dataclasses.fields(want)]
+        assert new_op.signature == param_signature(old.params)  # worked out when traced
+    crossing = set(piece.invars) - set(graph.invars)
+    for var in piece.graph.vars:
+        old = graph.vars[back[var.id]]
+        if old.id in crossing:  # computed by another piece: an argument here, named by its producer
+            assert (var.kind, var.producer, var.name) == ("input", None, f"<{graph.ops[old.producer].name}:"
+                                                          f"{graph.ops[old.producer].outputs.index(old.id)}>")
+        else:
+            producer = None if old.producer is None else ops.index(old.producer)
+            assert var == dataclasses.replace(old, id=var.id, producer=producer)
+    again, fewer = subgraph(graph, ops), subgraph(graph, ops, outputs=piece.outvars[:1])
+    other = subgraph(graph, problem.slicing.ops_of([2, 3]))
+    assert again.graph.fingerprint == piece.graph.fingerprint
+    assert len({piece.graph.fingerprint, fewer.graph.fingerprint, other.graph.fingerprint}) == 3
+
+
+def _boundary_bytes_by_scanning(problem, stages):
+    """The per-op scan ``boundary_parts`` replaced: per boundary, bytes sent forward and back (the reference)."""
+    from alpa_lab.passes.stages import APPLY
+
+    graph, sl = problem.graph, problem.slicing
+    stage_of_op = sl.stage_of_ops([st.layers for st in stages])
+    forward, backward, seen = [0] * len(stages), [0] * len(stages), set()
+    for op in graph.ops:
+        if sl.phase[op.index] == APPLY:
+            continue
+        dst = stage_of_op[op.index]
+        for v in op.inputs:
+            p = graph.vars[v].producer
+            if p is None or sl.phase[p] == APPLY or (v, dst) in seen:
+                continue
+            seen.add((v, dst))
+            src = stage_of_op[p]
+            if src < dst:
+                forward[src] += graph.vars[v].nbytes
+            elif src > dst:
+                backward[dst] += graph.vars[v].nbytes
+    return [max(f, b) for f, b in zip(forward, backward)]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_boundary_transfers_equal_a_scan_of_every_read(name):
+    """``boundary_parts`` (numpy over the reads, made once per problem) against the per-op scan, on every slicing of
+    4 layers into 1-4 stages: the same bytes, exactly."""
+    import itertools
+
+    from alpa_lab.passes.pipeline import StageResult, boundary_parts
+
+    ex = tiny_example(name)
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(4, 1), microbatches=2, layers=4)
+    problem = PipelineProblem.build(step.trace(*ex.args), step.cluster)
+    bandwidth = problem.cluster.inter_host_bandwidth
+    crossed = 0
+    for k in (0, 1, 2, 3):
+        for cuts in itertools.combinations(range(1, 4), k):
+            bounds = (0, *cuts, 4)
+            stages = [StageResult(i, r, (1, 1), (1, 1), (i,), None, 0, 0, 0, 0, 0, 1, 0)
+                      for i, r in enumerate(zip(bounds[:-1], bounds[1:]))]
+            want = _boundary_bytes_by_scanning(problem, stages)
+            got = [round(p.communication * bandwidth) for p in boundary_parts(problem, stages)]
+            assert got == want[: len(got)]
+            assert [p.transfers for p in boundary_parts(problem, stages)] == [1.0 if w else 0.0 for w in want[: len(got)]]
+            crossed += sum(w > 0 for w in want)
+    assert crossed >= 10
 
 
 def test_send_bytes_are_what_the_placed_stages_send():
@@ -518,6 +599,42 @@ def test_a_dead_layer_cost_worker_loses_nothing(monkeypatch):
     assert timeline.makespan == timeline_serial.makespan
 
 
+def test_two_planners_forking_at_once_take_turns_and_each_gets_its_own_costs(monkeypatch):
+    """The fork pool's job is one module global: two problems priced from two threads at once (a notebook planning
+    while another cell re-plans) take turns, and each gets the costs of its own model on its own cluster."""
+    import threading
+
+    import alpa_lab.passes.pipeline as pipeline_pass
+
+    monkeypatch.setattr(pipeline_pass, "FORK_MIN_WORK", 0)
+    monkeypatch.setenv("ALPA_LAB_PLAN_WORKERS", "2")
+    meshes = [((1, 4), (1, 4)), ((1, 4), (2, 2)), ((2, 4), (2, 4))]
+    problems, errors = [], []
+    for name in ("mlp", "gpt"):
+        ex = tiny_example(name)
+        cluster = al.ClusterSpec.local(2, 4)
+        problems.append(PipelineProblem.build(al.parallelize(ex.train_step, cluster=cluster, microbatches=4, layers=4)
+                                              .trace(*ex.args), cluster))
+
+    def price(problem):
+        try:
+            problem.prefetch_layer_costs(meshes, "alpa", lambda *mesh: ())
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=price, args=(p,)) for p in problems]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for problem in problems:
+        fresh = PipelineProblem.build(problem.graph, problem.cluster)
+        assert len(problem.layer_costs) == len(meshes) * len(set(problem.layer_keys))
+        for (key, submesh, logical, method), cost in problem.layer_costs.items():
+            assert fresh.layer_cost(problem.layer_keys.index(key), submesh, logical, method) == cost
+
+
 def test_plan_workers_reads_its_variable(monkeypatch):
     from alpa_lab.passes.pipeline import plan_workers
 
@@ -564,3 +681,17 @@ def test_a_line_of_devices_viewed_as_1xn_or_nx1_has_one_set_of_layer_costs(model
                         own.weight_memory + own.activation_memory, rel=1e-9), (submesh, method, layer)
                 checked += 1
     assert checked >= 3 * 2 * len(reps)  # some methods cannot apply to every layer (None on both views)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_the_kept_plans_timeline_is_its_stages_simulated_with_records(name):
+    """The first candidate planned keeps its records (not simulated again at the end): whichever candidate is
+    kept, its timeline is the simulation of its stages, record for record."""
+    from alpa_lab.passes.pipeline import simulated_timeline
+
+    ex = tiny_example(name)
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 2), microbatches=4, layers=4)
+    graph = step.trace(*ex.args)
+    for schedule in ("1f1b", "gpipe"):
+        problem, results, timeline = plan_pipeline(graph, step.cluster, num_microbatches=4, schedule=schedule)
+        assert timeline.records and timeline == simulated_timeline(problem, results, schedule, 4)

@@ -109,6 +109,9 @@ class Op:
     label: str = ""
     bind: Any = field(default=None, repr=False, compare=False)
     """The JAX primitive object (for re-execution); never serialised."""
+    signature: str = field(default="", repr=False, compare=False)
+    """``graph.trace.param_signature(params)``, worked out once when traced (op keys and fingerprints read it
+    for every piece a planner cuts); "" for an op made elsewhere, whose readers work it out."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -296,6 +296,7 @@ class _Builder:
                     bytes_accessed=float(sum(v.nbytes for v in in_vars + out_vars)),
                     label=label,
                     bind=eqn.primitive,
+                    signature=param_signature(params),
                 )
             )
 
@@ -387,6 +388,6 @@ def _with_fingerprint(graph: OpGraph) -> OpGraph:
     for v in graph.vars:
         h.update(f"{v.id}:{v.shape}:{v.dtype}:{v.kind};".encode())
     for op in graph.ops:
-        h.update(f"{op.name}:{op.inputs}:{op.outputs}:{param_signature(op.params)};".encode())
+        h.update(f"{op.name}:{op.inputs}:{op.outputs}:{op.signature or param_signature(op.params)};".encode())
     h.update(f"{graph.invars}->{graph.outvars}".encode())
     return dataclasses.replace(graph, fingerprint=h.hexdigest()[:16])

@@ -393,7 +393,7 @@ def _op_key(op: Op, graph: OpGraph) -> tuple:
     """Ops with equal keys have equal strategies (repeated layers share one enumeration)."""
     ins = tuple((graph.vars[v].shape, graph.vars[v].dtype, graph.vars[v].kind == "literal") for v in op.inputs)
     outs = tuple((graph.vars[v].shape, graph.vars[v].dtype) for v in op.outputs)
-    return (op.primitive, param_signature(op.params), ins, outs, op.flops)
+    return (op.primitive, op.signature or param_signature(op.params), ins, outs, op.flops)
 
 
 def _merge_trivial_ops(

@@ -132,7 +132,7 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
             # what a pipeline stage receives from another (an activation, or its gradient), split over the batch as
             # the batch is, so the stage is data parallel end to end (Alpa's force_data_parallel); it was held whole,
             # as the train state is, which made the next stage split its layers over the model instead
-            allowed = [s for s in specs if s.dims[0] == all_axes and not any(s.dims[1:])]
+            allowed = _batch_split(specs, all_axes)
             if allowed:
                 out[node.name] = tuple(str(s) for s in allowed)
                 continue
@@ -145,7 +145,7 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
             if not shape or not axes or not is_batch:
                 allowed = replicated
             else:
-                allowed = [s for s in specs if s.dims[0] == axes and not any(s.dims[1:])]
+                allowed = _batch_split(specs, axes)
                 if not allowed:
                     raise MethodError(
                         f"{method}: cannot split the batch argument {node.name} of shape {shape} over the "
@@ -164,6 +164,11 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
             allowed = [spec] if spec else replicated
         out[node.name] = tuple(str(s) for s in allowed)
     return out
+
+
+def _batch_split(specs: list[ShardingSpec], axes: tuple[int, ...]) -> list[ShardingSpec]:
+    """The specs that split the leading (batch) dimension over exactly ``axes``, and nothing else."""
+    return [s for s in specs if s.dims[0] == axes and not any(s.dims[1:])]
 
 
 def _widen(spec: ShardingSpec, axes: tuple[int, ...], specs: list[ShardingSpec]) -> ShardingSpec | None:

@@ -21,12 +21,14 @@ would plug in at ``layer_cost``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -87,6 +89,8 @@ on 64 devices is about 40,000 (priced in 4.1 s there against 7.1 s in threads, 2
 
 _FORKED_JOB: tuple | None = None
 """(problem, method, more) while ``prefetch_layer_costs`` runs a fork pool: what its workers inherit"""
+_FORK_LOCK = threading.Lock()
+"""held while a fork pool runs (``_FORKED_JOB`` is one per process)"""
 
 
 def plan_workers() -> int:
@@ -106,7 +110,8 @@ def _price_mesh_forked(mesh: tuple, known: dict) -> dict:
     transposed twin's, solved by another worker); returns that mesh's entries to merge into the parent's cache."""
     problem, method, more = _FORKED_JOB
     problem.layer_costs.update(known)
-    return problem._price_mesh(mesh, method, more)
+    problem._price_mesh(mesh, method, more)
+    return {key: cost for key, cost in problem.layer_costs.items() if (key[1], key[2]) == mesh}
 
 __all__ = [
     "LayerCost", "PipelineProblem", "check_memory", "fixed_stages", "plan_pipeline", "plan_stages", "stage_schedule",
@@ -180,6 +185,9 @@ class PipelineProblem:
     """the program's batch arguments where the user named them (``parallelize(batch_argnums=)``): what the
     data-parallel methods split in each layer and stage; None: each piece's data leaves leading with the
     batch size (``StrategyGraph.batch_vars``)"""
+    reads: tuple[np.ndarray, ...] | None = None
+    """(var, reading op, producing op, bytes) of every read of a tensor computed before the update, by an
+    op before the update (``stage_reads``): what a boundary between stages can carry"""
     candidates: list[tuple[InterOpPlan, float, float | None]] = field(default_factory=list)
     """the last ``plan_pipeline``'s candidates: (the DP's stages, their floor (``estimated_step``), their
     simulated step once planned; None: not planned, as the floor was above a planned step; inf: over memory)"""
@@ -445,45 +453,56 @@ class PipelineProblem:
         if forked:
             for lay in reps.values():  # cut before the fork, so every worker shares the pieces
                 self._layer_piece(lay)
-            _FORKED_JOB = (self, method, more)
-            pool: Any = ProcessPoolExecutor(max_workers=min(workers, len(first) + len(after)), mp_context=mp.get_context("fork"))
-        else:
-            pool = ThreadPoolExecutor(max_workers=workers)
-        try:
-            with pool, warnings.catch_warnings():
+        # one fork pool at a time in this process: its workers find their job in a module global, and the
+        # warning filter below is process-wide (planners in two threads take turns here; threads need neither)
+        with _FORK_LOCK if forked else contextlib.nullcontext(), warnings.catch_warnings() if forked else contextlib.nullcontext():
+            if forked:
                 # JAX warns at every fork of a process it runs in; the workers never call JAX (numpy, CBC)
                 warnings.filterwarnings("ignore", message=r".*fork\(\)", category=RuntimeWarning)
                 warnings.filterwarnings("ignore", message=r".*fork\(\)", category=DeprecationWarning)
-
-                def submit(m: tuple[Shape, Shape], known: dict) -> Any:
-                    if forked:
-                        return pool.submit(_price_mesh_forked, m, known)
-                    return pool.submit(self._price_mesh, m, method, more)
-
-                running = {submit(m, {}): m for m in first}
-                while running:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        m = running.pop(future)
-                        found = future.result()
-                        if forked:
-                            self.layer_costs.update(found)
-                        if m in after:
-                            running[submit(after[m], found if forked else {})] = after[m]
-                        if report is not None:
-                            report()
-        except BrokenExecutor:  # a worker process died (killed, out of memory): what is missing is solved here, on demand
-            pass
-        finally:
-            _FORKED_JOB = None
+                _FORKED_JOB = (self, method, more)
+            try:
+                self._run_pool(forked, workers, first, after, method, more, report)
+            except BrokenExecutor:  # a worker process died (killed, out of memory): what is missing is solved here, on demand
+                pass
+            finally:
+                _FORKED_JOB = None
         self.seconds["intra_op"] = self.seconds.get("intra_op", 0.0) + time.perf_counter() - t0
+
+    def _run_pool(
+        self, forked: bool, workers: int, first: list, after: dict, method: str,
+        more: Callable[[Shape, Shape], Sequence[str]], report: Callable[[], None] | None,
+    ) -> None:
+        """``prefetch_layer_costs``' meshes through a fork pool (``forked``) or threads, twins after their first view."""
+        if forked:
+            pool: Any = ProcessPoolExecutor(max_workers=min(workers, len(first) + len(after)), mp_context=mp.get_context("fork"))
+        else:
+            pool = ThreadPoolExecutor(max_workers=workers)
+        with pool:
+            def submit(m: tuple[Shape, Shape], known: dict) -> Any:
+                if forked:
+                    return pool.submit(_price_mesh_forked, m, known)
+                return pool.submit(self._price_mesh, m, method, more)
+
+            running = {submit(m, {}): m for m in first}
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    m = running.pop(future)
+                    found = future.result()
+                    if forked:
+                        self.layer_costs.update(found)
+                    if m in after:
+                        running[submit(after[m], found if forked else {})] = after[m]
+                    if report is not None:
+                        report()
 
     def _layer_reps(self) -> dict[int, int]:
         """layer key -> the first layer of that kind"""
         return {self.layer_keys[lay]: lay for lay in reversed(range(self.slicing.num_layers))}
 
-    def _price_mesh(self, mesh: tuple[Shape, Shape], method: str, more: Callable[[Shape, Shape], Sequence[str]]) -> dict:
-        """Every distinct layer's cost on ``mesh`` in ``method``, then in ``more(*mesh)``; returns those entries."""
+    def _price_mesh(self, mesh: tuple[Shape, Shape], method: str, more: Callable[[Shape, Shape], Sequence[str]]) -> None:
+        """Every distinct layer's cost on ``mesh`` in ``method``, then in ``more(*mesh)``, into ``layer_costs``."""
         reps = self._layer_reps()
 
         def solve(how: str) -> None:
@@ -499,7 +518,6 @@ class PipelineProblem:
         solve(method)
         for how in more(*mesh):
             solve(how)
-        return {key: cost for key, cost in list(self.layer_costs.items()) if (key[1], key[2]) == mesh}
 
     def _fork_pool_ok(self, num_meshes: int) -> bool:
         """Price the meshes in forked processes: where the work is large enough to repay forking this process,
@@ -970,30 +988,38 @@ def boundary_parts(problem: PipelineProblem, stages: Sequence[StageResult]) -> l
     Activations go forward, gradients come back; each direction is one message per tensor
     (``transfers`` counts the boundary once: one message's fixed cost, as the runtime overlaps them).
     """
-    graph, sl = problem.graph, problem.slicing
-    stage_of_op = sl.stage_of_ops([st.layers for st in stages])
-    forward = [0.0] * len(stages)  # bytes stage i sends to i + 1 (activations) ...
-    backward = [0.0] * len(stages)  # ... and receives back from it (gradients), per micro-batch
-    seen = set()
-    for op in graph.ops:
-        if sl.phase[op.index] == APPLY:
-            continue
-        dst = stage_of_op[op.index]
-        for v in op.inputs:
-            p = graph.vars[v].producer
-            if p is None or sl.phase[p] == APPLY or (v, dst) in seen:
-                continue
-            seen.add((v, dst))
-            src = stage_of_op[p]
-            if src < dst:
-                forward[src] += graph.vars[v].nbytes
-            elif src > dst:
-                backward[dst] += graph.vars[v].nbytes
+    var, reader, producer, nbytes = stage_reads(problem)
+    S = len(stages)
+    stage_of_op = np.asarray(problem.slicing.stage_of_ops([st.layers for st in stages]), dtype=np.int64)
+    src, dst = stage_of_op[producer], stage_of_op[reader]
+    _, first = np.unique(var * S + dst, return_index=True)  # a tensor crosses to a stage once, however many ops read it
+    src, dst, nbytes = src[first], dst[first], nbytes[first]
+    ahead, back = src < dst, src > dst
+    # bytes stage i sends to i + 1 (activations), and receives back from it (gradients), per micro-batch;
+    # whole byte counts, so the sums are exact in any order
+    forward = np.bincount(src[ahead], weights=nbytes[ahead], minlength=S)
+    backward = np.bincount(dst[back], weights=nbytes[back], minlength=S)
     out = []
     for i, bw in enumerate(link_bandwidths(problem.cluster, stages)):
-        crossing = max(forward[i], backward[i])
+        crossing = float(max(forward[i], backward[i]))
         out.append(CostParts(communication=crossing / bw, transfers=1.0 if crossing else 0.0))
     return out
+
+
+def stage_reads(problem: PipelineProblem) -> tuple[np.ndarray, ...]:
+    """(var, reading op, producing op, bytes) arrays of every read, by an op outside the update, of a tensor an op
+    outside the update computed: made once per problem (``boundary_parts`` prices every candidate's boundaries)."""
+    if problem.reads is None:
+        graph, phase = problem.graph, problem.slicing.phase
+        rows = [
+            (v, op.index, p, graph.vars[v].nbytes)
+            for op in graph.ops if phase[op.index] != APPLY
+            for v in op.inputs
+            if (p := graph.vars[v].producer) is not None and phase[p] != APPLY
+        ]
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+        problem.reads = (table[:, 0], table[:, 1], table[:, 2], table[:, 3].astype(np.float64))
+    return problem.reads
 
 
 def link_bandwidths(cluster: ClusterSpec, stages: Sequence[Any]) -> list[float]:
@@ -1090,9 +1116,12 @@ def plan_pipeline(
                      f"({len(problem.layer_costs)} cached)")
 
     layouts: dict[tuple, tuple[tuple[float, float, int | None, str], ...]] = {}  # shared by the DP's runs (with and without transfers)
+    in_space = {(shape, lg): in_logical_space(logical_meshes, shape, lg, M)
+                for shape in submesh_shapes(N, M, submesh_space) for lg in logical_shapes(shape)}
 
     def cost(start: int, end: int, submesh: Shape, logical: Shape, transfers: bool = transfers) -> StageCost | None:
-        if not in_logical_space(logical_meshes, submesh, logical, M):
+        # called for every (layers, sub-mesh, logical mesh), twice: GPT-39B asks 66,000 times
+        if not in_space.get((submesh, logical)) and not in_logical_space(logical_meshes, submesh, logical, M):
             return None
         key = (start, end, submesh, logical)
         found = layouts.get(key)
@@ -1212,8 +1241,11 @@ def plan_pipeline(
                 continue
         _remember_variants(problem, cand, method)
         stages = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in cand.stages]
+        # the likeliest candidate, planned first, is usually the one kept: its timeline is made with its records
+        # at once, not simulated again at the end (GPT-39B: 200,000 instructions)
+        first = not any(s is not None for s in steps)
         results, timeline = plan_stages(
-            problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method, records=False
+            problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method, records=first
         )
         try:
             check_memory(results, cluster)
@@ -1223,13 +1255,13 @@ def plan_pipeline(
             continue
         step_time = steps[i] = timeline.makespan + max(r.apply_time for r in results)
         if best is None or (step_time, i) < (best[0], best[1]):  # ties: the earlier candidate, as unscreened
-            best = (step_time, i, cand, results, timeline)
+            best = (step_time, i, cand, results, timeline if first else None)
     problem.candidates = list(zip(candidates, floors, steps))
     if best is None:
         raise refused
-    _, _, chosen, results, _ = best
+    _, _, chosen, results, timeline = best
     _remember_variants(problem, chosen, method)  # re-plans (pins) of its stages use the same layouts
-    return problem, results, simulated_timeline(problem, results, schedule, num_microbatches)
+    return problem, results, timeline or simulated_timeline(problem, results, schedule, num_microbatches)
 
 
 def _slicing(inter: InterOpPlan) -> tuple:
