@@ -11,13 +11,14 @@ and the specs (no pass, no runtime).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_lab.graph.evaluate import evaluate
 from alpa_lab.graph.opgraph import Op, OpGraph
@@ -89,19 +90,117 @@ def compile_graph(
         ]
     in_shardings = tuple(sharding(s) for s in in_specs)
     out_shardings = tuple(sharding(s) for s in out_specs)
+    order, gathers = _combined_gathers(graph, op_plans, spec_of_var)
+    gathered: dict[int, Any] = {}  # var -> its value gathered whole (by the one combined all-gather)
 
     def constrain_inputs(op: Op, values: list[Any]) -> list[Any]:
         wanted = in_constraint[op.index]
-        return [x if want is None else jax.lax.with_sharding_constraint(x, want) for x, want in zip(values, wanted)]
+        return [
+            x if want is None else gathered[v] if v in gathered and not any(want.spec) else jax.lax.with_sharding_constraint(x, want)
+            for v, x, want in zip(op.inputs, values, wanted)
+        ]
 
     def constrain_outputs(op: Op, values: list[Any]) -> list[Any]:
         return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(values, out_constraint[op.index])]
 
+    def gather_first(op: Op, env: Any) -> None:
+        if gathers and op.index == gathers.first_reader:
+            gathered.update(_gather_together(gathers, env, mesh))
+
     def run(*flat_args: Any) -> tuple[Any, ...]:
-        return tuple(evaluate(graph, flat_args, on_output=constrain_outputs, on_input=constrain_inputs))
+        gathered.clear()
+        return tuple(evaluate(order, flat_args, on_output=constrain_outputs, on_input=constrain_inputs, before=gather_first))
 
     fn = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
     return fn, in_shardings, out_shardings
+
+
+@dataclass(frozen=True)
+class _Gathers:
+    """The update's all-gathers ``compile_graph`` makes one: var -> (the dimension its spec splits, the mesh axes
+    it is split over), all over the same axes; ``first_reader``: the op before which they are gathered."""
+
+    dims: Mapping[int, int]
+    axes: tuple[int, ...]
+    first_reader: int
+
+    def __bool__(self) -> bool:
+        return len(self.dims) > 1
+
+
+def _combined_gathers(graph: OpGraph, op_plans: Mapping[str, OpSpecs], spec_of_var: Mapping[int, str]) -> tuple[OpGraph, _Gathers]:
+    """(``graph`` with its update's reads moved late, the tensors to gather together): an all-gather combiner for
+    the weight update.
+
+    After a sharded weight update (each device updates its slice of a replicated weight: ``shard_weight_update``,
+    ZeRO-2), every updated slice is gathered back whole. Where the new weight is a result kept split to the end,
+    stock XLA gathers all of them at once (its own combiner, at the results); where the op that makes the new weight
+    wants the slice whole (a pipeline stage's update task: ``param + delta`` planned replicated), it makes one
+    all-gather per weight, where Alpa's XLA made one (Alpa's test_reduce_scatter counts it). Here the same: the
+    tensors split along one dimension over the same mesh axes (and of one dtype) and gathered whole for an op that
+    makes a result of the program (the new weight) are laid side by side as rows of one per device, gathered at
+    once, and cut apart again (``_gather_together``). The ops reading them (and what depends on
+    those) run after every other op, so that all the slices exist when the one gather goes; the program's
+    meaning is unchanged (only the order of independent ops moves). Gathers elsewhere (ZeRO-3's weights before
+    the layer that uses them, a resharding mid-program) are left alone: combining them would hold every weight
+    whole at once, which is what ZeRO-3 avoids.
+    """
+    results = set(graph.outvars)
+    dims: dict[int, int] = {}
+    readers: set[int] = set()
+    axes_of: dict[tuple[tuple[int, ...], str], list[int]] = {}  # (mesh axes, dtype) -> the tensors (concatenated: one dtype)
+    for op in graph.ops:
+        if not op.outputs or not all(v in results for v in op.outputs):
+            continue
+        for v, want in zip(op.inputs, op_plans[op.name].input_specs):
+            have = spec_of_var.get(v)
+            if have is None or have == want or graph.vars[v].kind != "op":
+                continue
+            src, dst = ShardingSpec.parse(have), ShardingSpec.parse(want)
+            split = [d for d, a in enumerate(src.dims) if a]
+            if len(split) != 1 or any(dst.dims):  # one split dimension, gathered whole
+                continue
+            dims[v] = split[0]
+            axes_of.setdefault((src.dims[split[0]], graph.vars[v].dtype), []).append(v)
+            readers.add(op.index)
+    if not axes_of:
+        return graph, _Gathers({}, (), -1)
+    (axes, _), group = max(axes_of.items(), key=lambda kv: len(kv[1]))  # one combined gather: the largest group
+    group_readers = {op.index for op in graph.ops if op.index in readers and any(v in group for v in op.inputs)}
+    late = set()
+    for op in graph.ops:  # the readers and everything after them in the dataflow
+        if op.index in group_readers or any(graph.vars[v].producer in late for v in op.inputs):
+            late.add(op.index)
+    early = [op for op in graph.ops if op.index not in late]
+    made_early = {v for op in early for v in op.outputs}
+    ready = [v for v in group if v in made_early]
+    if len(ready) < 2:
+        return graph, _Gathers({}, (), -1)
+    order = early + [op for op in graph.ops if op.index in late]
+    first = next(op.index for op in order if op.index in late)
+    return dataclasses.replace(graph, ops=tuple(order)), _Gathers({v: dims[v] for v in ready}, axes, first)
+
+
+def _gather_together(gathers: _Gathers, env: Mapping[int, Any], mesh: Mesh) -> dict[int, Any]:
+    """One all-gather for every tensor of ``gathers``: each, its split dimension first, as n rows (n: the devices
+    its dimension is split over, one row per device's slice), laid side by side; the whole gathered at once and
+    cut back into the tensors, whole. Moving the split dimension first and reshaping keep every device's slice on it
+    (no data moves but in the gather)."""
+    n = int(np.prod([mesh.devices.shape[a] for a in gathers.axes]))
+    names = tuple(AXIS_NAMES[a] for a in gathers.axes)
+    rows = NamedSharding(mesh, PartitionSpec(names if len(names) > 1 else names[0], None))
+    pieces, layout = [], []
+    for v, d in gathers.dims.items():
+        x = jax.numpy.moveaxis(env[v], d, 0)
+        layout.append((v, d, x.shape))
+        pieces.append(jax.lax.with_sharding_constraint(x.reshape(n, -1), rows))
+    whole = jax.lax.with_sharding_constraint(jax.numpy.concatenate(pieces, axis=1), NamedSharding(mesh, PartitionSpec()))
+    out, at = {}, 0
+    for (v, d, shape), piece in zip(layout, pieces):
+        width = piece.shape[1]
+        out[v] = jax.numpy.moveaxis(whole[:, at : at + width].reshape(shape), 0, d)
+        at += width
+    return out
 
 
 @dataclass(frozen=True, eq=False)
