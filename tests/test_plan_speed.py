@@ -258,7 +258,7 @@ def test_pieces_cut_with_the_consumer_index_equal_pieces_cut_by_scanning():
 
 def test_a_piece_copies_every_field_of_its_ops_and_tensors():
     """``subgraph`` copies ops and tensors field by field (faster than ``dataclasses.replace``): each is the whole
-    program's, renumbered; and a piece's fingerprint (from the program's, its ops and results) tells pieces apart."""
+    program's, renumbered; and a piece's fingerprint (hashed from its contents) tells pieces apart."""
     ex = tiny_example("gpt")
     step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 2), microbatches=2, layers=4)
     graph = step.trace(*ex.args)

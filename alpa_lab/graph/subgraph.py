@@ -11,11 +11,8 @@ aliasing (argument path == result path) mean the same in the piece as in the who
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from alpa_lab.graph.opgraph import Op, OpGraph, Var
 from alpa_lab.graph.trace import _with_fingerprint
@@ -134,14 +131,8 @@ def subgraph(
         consts=consts,
         literals=literals,
     )
-    if graph.fingerprint:  # the piece is determined by the program, its ops and its results: no need to hash it all again
-        h = hashlib.sha256(graph.fingerprint.encode())
-        h.update(np.asarray(chosen, dtype=np.int64).tobytes())
-        h.update(np.asarray(outvars, dtype=np.int64).tobytes())
-        piece = dataclasses.replace(piece, fingerprint=h.hexdigest()[:16])
-    else:
-        piece = _with_fingerprint(piece)
-    return Subgraph(piece, tuple(invars), tuple(outvars), var_map)
+    # hashed from its contents, as a traced program is: a saved stage plan names the piece by it
+    return Subgraph(_with_fingerprint(piece), tuple(invars), tuple(outvars), var_map)
 
 
 def _copy_fields() -> None:

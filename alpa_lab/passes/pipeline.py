@@ -90,7 +90,8 @@ on 64 devices is about 40,000 (priced in 4.1 s there against 7.1 s in threads, 2
 _FORKED_JOB: tuple | None = None
 """(problem, method, more) while ``prefetch_layer_costs`` runs a fork pool: what its workers inherit"""
 _FORK_LOCK = threading.Lock()
-"""held while a fork pool runs (``_FORKED_JOB`` is one per process)"""
+"""held while a fork pool runs (``_FORKED_JOB`` is one per process). Not re-entrant: a progress callback that
+started another large plan in the same thread would wait on it; the workers never plan."""
 
 
 def plan_workers() -> int:
@@ -1121,7 +1122,8 @@ def plan_pipeline(
 
     def cost(start: int, end: int, submesh: Shape, logical: Shape, transfers: bool = transfers) -> StageCost | None:
         # called for every (layers, sub-mesh, logical mesh), twice: GPT-39B asks 66,000 times
-        if not in_space.get((submesh, logical)) and not in_logical_space(logical_meshes, submesh, logical, M):
+        ok = in_space.get((submesh, logical))
+        if not (in_logical_space(logical_meshes, submesh, logical, M) if ok is None else ok):
             return None
         key = (start, end, submesh, logical)
         found = layouts.get(key)

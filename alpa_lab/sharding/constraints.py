@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from alpa_lab.graph.analysis import find_aliases
 from alpa_lab.graph.evaluate import evaluate
 from alpa_lab.graph.opgraph import Op, OpGraph
 from alpa_lab.graph.trace import args_signature, trace
@@ -91,24 +92,24 @@ def compile_graph(
     in_shardings = tuple(sharding(s) for s in in_specs)
     out_shardings = tuple(sharding(s) for s in out_specs)
     order, gathers = _combined_gathers(graph, op_plans, spec_of_var)
-    gathered: dict[int, Any] = {}  # var -> its value gathered whole (by the one combined all-gather)
-
-    def constrain_inputs(op: Op, values: list[Any]) -> list[Any]:
-        wanted = in_constraint[op.index]
-        return [
-            x if want is None else gathered[v] if v in gathered and not any(want.spec) else jax.lax.with_sharding_constraint(x, want)
-            for v, x, want in zip(op.inputs, values, wanted)
-        ]
 
     def constrain_outputs(op: Op, values: list[Any]) -> list[Any]:
         return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(values, out_constraint[op.index])]
 
-    def gather_first(op: Op, env: Any) -> None:
-        if gathers and op.index == gathers.first_reader:
-            gathered.update(_gather_together(gathers, env, mesh))
-
     def run(*flat_args: Any) -> tuple[Any, ...]:
-        gathered.clear()
+        gathered: dict[int, Any] = {}  # var -> its value gathered whole by the one combined all-gather (this trace's)
+
+        def constrain_inputs(op: Op, values: list[Any]) -> list[Any]:
+            wanted = in_constraint[op.index]
+            return [
+                x if want is None else gathered[v] if v in gathered and not any(want.spec) else jax.lax.with_sharding_constraint(x, want)
+                for v, x, want in zip(op.inputs, values, wanted)
+            ]
+
+        def gather_first(op: Op, env: Any) -> None:
+            if gathers and op.index == gathers.first_reader:
+                gathered.update(_gather_together(gathers, env, mesh))
+
         return tuple(evaluate(order, flat_args, on_output=constrain_outputs, on_input=constrain_inputs, before=gather_first))
 
     fn = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
@@ -143,14 +144,16 @@ def _combined_gathers(graph: OpGraph, op_plans: Mapping[str, OpSpecs], spec_of_v
     those) run after every other op, so that all the slices exist when the one gather goes; the program's
     meaning is unchanged (only the order of independent ops moves). Gathers elsewhere (ZeRO-3's weights before
     the layer that uses them, a resharding mid-program) are left alone: combining them would hold every weight
-    whole at once, which is what ZeRO-3 avoids.
+    whole at once, which is what ZeRO-3 avoids. A new weight is a result that replaces an argument (the train
+    state, updated: ``find_aliases``); a pipeline's forward and backward tasks return tensors that other tasks
+    read, which replace nothing and are left alone.
     """
-    results = set(graph.outvars)
+    new_state = {graph.outvars[pos] for pos in find_aliases(graph)}
     dims: dict[int, int] = {}
     readers: set[int] = set()
     axes_of: dict[tuple[tuple[int, ...], str], list[int]] = {}  # (mesh axes, dtype) -> the tensors (concatenated: one dtype)
     for op in graph.ops:
-        if not op.outputs or not all(v in results for v in op.outputs):
+        if not op.outputs or not all(v in new_state for v in op.outputs):
             continue
         for v, want in zip(op.inputs, op_plans[op.name].input_specs):
             have = spec_of_var.get(v)
@@ -160,8 +163,9 @@ def _combined_gathers(graph: OpGraph, op_plans: Mapping[str, OpSpecs], spec_of_v
             split = [d for d, a in enumerate(src.dims) if a]
             if len(split) != 1 or any(dst.dims):  # one split dimension, gathered whole
                 continue
-            dims[v] = split[0]
-            axes_of.setdefault((src.dims[split[0]], graph.vars[v].dtype), []).append(v)
+            if v not in dims:
+                dims[v] = split[0]
+                axes_of.setdefault((src.dims[split[0]], graph.vars[v].dtype), []).append(v)
             readers.add(op.index)
     if not axes_of:
         return graph, _Gathers({}, (), -1)
