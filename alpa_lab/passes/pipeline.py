@@ -1117,13 +1117,9 @@ def plan_pipeline(
                      f"({len(problem.layer_costs)} cached)")
 
     layouts: dict[tuple, tuple[tuple[float, float, int | None, str], ...]] = {}  # shared by the DP's runs (with and without transfers)
-    in_space = {(shape, lg): in_logical_space(logical_meshes, shape, lg, M)
-                for shape in submesh_shapes(N, M, submesh_space) for lg in logical_shapes(shape)}
 
     def cost(start: int, end: int, submesh: Shape, logical: Shape, transfers: bool = transfers) -> StageCost | None:
-        # called for every (layers, sub-mesh, logical mesh), twice: GPT-39B asks 66,000 times
-        ok = in_space.get((submesh, logical))
-        if not (in_logical_space(logical_meshes, submesh, logical, M) if ok is None else ok):
+        if not in_logical_space(logical_meshes, submesh, logical, M):
             return None
         key = (start, end, submesh, logical)
         found = layouts.get(key)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from alpa_lab.graph.analysis import find_aliases
 from alpa_lab.graph.evaluate import evaluate
@@ -190,15 +190,15 @@ def _gather_together(gathers: _Gathers, env: Mapping[int, Any], mesh: Mesh) -> d
     its dimension is split over, one row per device's slice), laid side by side; the whole gathered at once and
     cut back into the tensors, whole. Moving the split dimension first and reshaping keep every device's slice on it
     (no data moves but in the gather)."""
-    n = int(np.prod([mesh.devices.shape[a] for a in gathers.axes]))
-    names = tuple(AXIS_NAMES[a] for a in gathers.axes)
-    rows = NamedSharding(mesh, PartitionSpec(names if len(names) > 1 else names[0], None))
+    split = ShardingSpec((gathers.axes, ()))  # the rows: one per device along the split axes
+    n = split.num_shards(mesh.devices.shape)
+    rows = spec_sharding(mesh, str(split))
     pieces, layout = [], []
     for v, d in gathers.dims.items():
         x = jax.numpy.moveaxis(env[v], d, 0)
         layout.append((v, d, x.shape))
         pieces.append(jax.lax.with_sharding_constraint(x.reshape(n, -1), rows))
-    whole = jax.lax.with_sharding_constraint(jax.numpy.concatenate(pieces, axis=1), NamedSharding(mesh, PartitionSpec()))
+    whole = jax.lax.with_sharding_constraint(jax.numpy.concatenate(pieces, axis=1), spec_sharding(mesh, "RR"))
     out, at = {}, 0
     for (v, d, shape), piece in zip(layout, pieces):
         width = piece.shape[1]
