@@ -69,7 +69,8 @@ class AutoShardingOption:
     convolution is split over every device of its mesh where its shapes allow (``sharding.rules``).
     Those that only tune Alpa's own solver or its collective combiners (``force_batch_dim_to_mesh_dim``,
     the thresholds, ``prefer_reduce_scatter`` without ``force_data_parallel``) are accepted and change
-    nothing; those that forbid strategies are refused."""
+    nothing; those that forbid strategies are refused. ``force_data_parallel`` keeps every op's batch
+    dimension split over the mesh, as Alpa's forced batch dimension does (``passes.methods.batch_dims``)."""
 
     enable_auto_sharding: bool = True
     allow_all_gather: bool = True

@@ -515,3 +515,68 @@ def test_jax_grad_of_an_automatic_layer_construction_loss_pipelines():
     p = al.parallelize(step, donate_argnums=(), method=al.PipeshardParallel(num_micro_batches=2))
     assert_close(jax.jit(step)(params, x), p(params, x), "gradients")
     assert p.current_plan.num_layers == 4
+
+
+
+class BertLayer(nn.Module):
+    """Alpa's testing BERT layer (``FlaxBertLayer``, deterministic), small: self-attention over heads under a padding
+    mask (a batch argument every stage reads), then a feed-forward, each with its residual and layer norm."""
+
+    hidden: int = 64
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, hidden_states, attention_mask):
+        B, S, H = hidden_states.shape
+        head_dim = self.hidden // self.heads
+        q = nn.Dense(self.hidden, name="query")(hidden_states)
+        k = nn.Dense(self.hidden, name="key")(hidden_states)
+        v = nn.Dense(self.hidden, name="value")(hidden_states)
+        q, k, v = (t.reshape(B, S, self.heads, head_dim) for t in (q, k, v))
+        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, -1e10).astype(jnp.float32)
+        w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(jnp.float32) + bias, axis=-1)
+        attn = nn.Dense(self.hidden, name="attn_out")(jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(B, S, H))
+        x = nn.LayerNorm(epsilon=1e-12, name="ln1")(attn + hidden_states)
+        h = nn.Dense(self.hidden, name="output")(jax.nn.gelu(nn.Dense(4 * self.hidden, name="intermediate")(x)))
+        return (nn.LayerNorm(epsilon=1e-12, name="ln2")(h + x),)
+
+
+class BertLayers(nn.Module):
+    """Two such layers, the boundary between them."""
+
+    def setup(self):
+        self.layers = [BertLayer() for _ in range(2)]
+
+    def __call__(self, x, attention_mask):
+        x = self.layers[0](x, attention_mask)[0]
+        al.mark_pipeline_boundary()
+        return self.layers[1](x, attention_mask)[0]
+
+
+def test_force_data_parallel_keeps_attention_layers_data_parallel_inside():
+    """Alpa's test_reduce_scatter (BERT): with ``force_data_parallel`` the stages' forward tasks issue no collective.
+    Restricting the arguments alone left the ILP free inside: the second stage split its attention over the heads
+    (2 all-reduces, 2 all-gathers and an all-to-all in its forward). Each op that makes a tensor with a batch dimension
+    now keeps it split over the mesh (``methods.batch_op_restrictions``). Oracle: XLA's compiled HLO; the parameters
+    equal ``jax.jit``'s."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 16, 64))
+    batch = {"x": x, "y": jnp.sin(x), "mask": jnp.ones((16, 16), jnp.int8)}
+    model = BertLayers()
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(1), x, batch["mask"]),
+                              tx=optax.sgd(1e-2, momentum=0.9))
+
+    def step(state, batch):
+        def loss_func(params):
+            return jnp.mean((state.apply_fn(params, batch["x"], batch["mask"]) - batch["y"]) ** 2)
+
+        loss, grads = al.value_and_grad(loss_func)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    method = al.PipeshardParallel(
+        num_micro_batches=4, layer_option="manual", stage_option=al.UniformStageOption(),
+        default_auto_sharding_option=al.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True))
+    p = al.parallelize(step, method=method)
+    counts = [al.count_communication_primitives(t, ignore_scalar_all_reduce=True) for t in p.get_executable(state, batch).get_hlo_text()]
+    assert len(counts) == 6
+    assert counts[0][0] == 0 and counts[1][0] == 0, counts  # forward of stages 0 and 1
+    assert_close(jax.jit(step)(state, batch)[0].params, p(state, batch)[0].params, "params")

@@ -6,7 +6,7 @@ import pytest
 
 import alpa_lab as al
 from alpa_lab.models import MLPConfig, make_mlp
-from alpa_lab.passes.methods import REWRITE_TOLERANCE, MethodError, make_plan, shard_weight_update, solve_method
+from alpa_lab.passes.methods import REWRITE_TOLERANCE, MethodError, batch_dims, make_plan, shard_weight_update, solve_method
 from alpa_lab.sharding.spec import ShardingSpec
 
 CLUSTER = al.ClusterSpec.local(1, 4)
@@ -92,3 +92,34 @@ def test_data_parallel_needs_a_divisible_batch():
     ex = make_mlp(MLPConfig(batch=6, in_dim=8, hidden=8, layers=1, out_dim=8), abstract=True)
     with pytest.raises(MethodError, match="leading dimension must divide by 4"):
         al.parallelize(ex.train_step, cluster=CLUSTER, mesh_shape=(1, 4), method="data_parallel").plan(*ex.args)
+
+
+def test_batch_dims_follow_the_batch_through_transposes_and_stop_at_its_sums():
+    """``batch_dims`` carries the batch's dimension through the program as the sharding rules map dimensions: into
+    a transpose's second dimension, and not into the weight's gradient, which sums over the batch although its
+    shape is the activations' (64 x 64 both: a rule on shapes could not tell them apart). Under data parallelism
+    every op making a batch tensor keeps that dimension split (``batch_op_restrictions``)."""
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jax.numpy.mean(jax.numpy.tanh((x @ w).T) ** 2))(w)
+
+    w, x = jax.numpy.ones((64, 64)), jax.numpy.ones((64, 64))
+    plan = al.parallelize(step, cluster=CLUSTER, mesh_shape=(1, 4), method="data_parallel").plan(w, x)
+    sg = plan.problem
+    (data,) = [v for v, k in sg.argument_kinds.items() if k == "data"]
+    dims = batch_dims(sg, {data: 0}, (1,))
+
+    def out_dims(primitive):
+        return [dims.get(v) for v, (n, _) in sorted(sg.node_of_var.items()) if sg.nodes[n].primitive == primitive]
+
+    assert out_dims("dot_general") == [0, None]  # x @ w carries the batch; x.T @ grad (the weight's gradient) does not
+    assert out_dims("tanh") == [1]  # after the transpose
+    assert out_dims("reduce_sum") == [None]  # the mean: summed over the batch
+    assert sorted(out_dims("transpose"), key=str) == [0, 1, None]  # forward, its cotangent back, the gradient's
+    chosen = {o.name: o.strategy for o in plan.ops}
+    for v, d in dims.items():
+        n, pos = sg.node_of_var[v]
+        node = sg.nodes[n]
+        if node.op_index is not None:
+            spec = node.strategies[node.strategy_index(chosen[node.name])].output_specs[pos]
+            assert spec.dims[d] == (1,), (node.name, chosen[node.name])

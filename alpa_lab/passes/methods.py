@@ -5,7 +5,8 @@ arguments (parameters, optimizer state, batch) are stored; the ILP fills in ever
 predicted costs of different methods are comparable:
 
 * ``alpa``: no restriction (the paper's method), then the post-ILP weight-update rewrite.
-* ``data_parallel``: the batch split over every device, the train state replicated.
+* ``data_parallel``: the batch split over every device, the train state replicated; every op
+  making a tensor with a batch dimension keeps it split so (``batch_op_restrictions``).
 * ``zero2``: data parallel with the optimizer state split over every device (ZeRO-2-like;
   gradients are reduce-scattered where the ILP finds that cheaper).
 * ``zero3``: data parallel with parameters and optimizer state split (ZeRO-3-like).
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from alpa_lab.graph.analysis import batch_dimension
-from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, solve_strategy_graph
+from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, group_index, solve_strategy_graph
 from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
 from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.spec import ShardingSpec
@@ -59,7 +60,7 @@ def solve_method(
     memory_budget: float | None = None,
 ) -> MethodSolution:
     """Solve ``sg`` the way ``method`` plans, honouring ``pins``."""
-    restrictions = method_restrictions(method, sg)
+    restrictions = method_restrictions(method, sg, pins)
     solution = solve_strategy_graph(sg, pins, restrictions=restrictions, memory_budget=memory_budget)
     if method != "alpa":
         return MethodSolution(solution, restrictions)
@@ -107,8 +108,10 @@ def solve_tied(
     return best
 
 
-def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, ...]]:
-    """Allowed storage specs of each argument under ``method`` (node name -> spec names)."""
+def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] | None = None) -> dict[str, tuple[str, ...]]:
+    """Allowed storage specs of each argument under ``method`` (node name -> spec names), and under a data-parallel
+    method the strategies of each op making a batch-carrying tensor (``batch_op_restrictions``; an op the user
+    ``pins`` keeps the pin: those restrictions are derived, the arguments' are the method)."""
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "alpa":
@@ -163,6 +166,101 @@ def method_restrictions(method: str, sg: StrategyGraph) -> dict[str, tuple[str, 
             spec = _widen(ShardingSpec.replicated(len(shape)), all_axes, specs) if split else None
             allowed = [spec] if spec else replicated
         out[node.name] = tuple(str(s) for s in allowed)
+    if method in BATCH_SPLIT_ACTIVATIONS and all_axes:
+        split = {vid: 0 for vid, kind in sg.argument_kinds.items() if vid in sg.node_of_var and kind in ("data", "activation")
+                 and all(_split_along(spec, 0, all_axes) for spec in _specs_allowed(sg, vid, out))}
+        out.update(batch_op_restrictions(sg, batch_dims(sg, split, all_axes), all_axes, out, pins or {}))
+    return out
+
+
+def _specs_allowed(sg: StrategyGraph, vid: int, restrictions: Mapping[str, tuple[str, ...]]) -> list[ShardingSpec]:
+    """The storage specs an argument may take under ``restrictions``."""
+    node = sg.nodes[sg.node_of_var[vid][0]]
+    names = restrictions.get(node.name)
+    return [s.output_specs[0] for s in node.strategies if names is None or s.name in names]
+
+
+def batch_dims(sg: StrategyGraph, known: Mapping[int, int], axes: tuple[int, ...]) -> dict[int, int]:
+    """Every tensor's batch dimension (var -> dim), carried from ``known`` (arguments) through the program.
+
+    An op carries the batch where one of its strategies takes each operand known to have a batch dimension split
+    along that dimension over ``axes`` (and along nothing else) and issues no collective: the dimension of each
+    output split over ``axes`` is then that output's batch dimension. The sharding rules say, per primitive, how
+    dimensions correspond, so this is Alpa's batch-dimension analysis without a table of its own. An op that sums
+    over the batch (a weight's gradient, the mean loss) has no such strategy: its outputs carry no batch.
+    """
+    dims = dict(known)
+    operands: dict[int, dict[int, int]] = {}
+    for e in sg.edges:
+        if e.consumer >= 0:
+            operands.setdefault(e.consumer, {})[e.operand] = e.var
+    outputs: dict[int, dict[int, int]] = {}
+    for vid, (n, pos) in sg.node_of_var.items():
+        outputs.setdefault(n, {})[pos] = vid
+    for n, node in enumerate(sg.nodes):  # in program order: an op's operands come first
+        if node.op_index is None:
+            continue
+        batched = {pos: dims[v] for pos, v in operands.get(n, {}).items() if v in dims}
+        if not batched:
+            continue
+        for s in node.strategies:
+            if s.collectives or any(not _split_along(s.input_specs[pos], d, axes) for pos, d in batched.items()):
+                continue
+            for pos, vid in outputs.get(n, {}).items():
+                split = [d for d, used in enumerate(s.output_specs[pos].dims) if used == axes]
+                if len(split) == 1:
+                    dims[vid] = split[0]
+            break
+    return dims
+
+
+def _split_along(spec: ShardingSpec, dim: int, axes: tuple[int, ...]) -> bool:
+    """Whether ``spec`` splits dimension ``dim`` over exactly ``axes`` and no other dimension."""
+    return dim < spec.rank and all(used == (axes if d == dim else ()) for d, used in enumerate(spec.dims))
+
+
+def batch_op_restrictions(
+    sg: StrategyGraph, dims: Mapping[int, int], axes: tuple[int, ...], given: Mapping[str, tuple[str, ...]],
+    pins: Mapping[str, str],
+) -> dict[str, tuple[str, ...]]:
+    """Each op making a tensor with a batch dimension (``batch_dims``) limited to the strategies that keep that
+    dimension split over ``axes`` (Alpa's force_data_parallel: its ``force_batch_dim_to_mesh_dim``), so a data-parallel
+    step stays data parallel inside, not only at its arguments; the ILP would otherwise split an attention over its
+    heads wherever that priced cheaper. An op with no such strategy, a pinned op, or one merged into an op (it follows
+    that op's layout, ``intra_op``) whose choices cannot give it one together with the other restrictions and the
+    ``pins``, is left free."""
+    gindex = group_index(sg.group_of_node)
+    reps: dict[int, set[int]] = {}
+
+    def admit(n: int, strategies: set[int]) -> bool:
+        """Narrow n's group to the choices giving n one of ``strategies``, unless that leaves none."""
+        gi = gindex[int(sg.group_of_node[n])]
+        mine = {r for r, m in enumerate(sg.member_map[n]) if int(m) in strategies}
+        narrowed = reps.get(gi, mine) & mine
+        if not narrowed:
+            return False
+        reps[gi] = narrowed
+        return True
+
+    for name, names in given.items():
+        n = sg.node_index(name)
+        admit(n, {j for j, s in enumerate(sg.nodes[n].strategies) if s.name in names})
+    for name, strategy in pins.items():
+        n = sg.node_index(name)
+        admit(n, {sg.nodes[n].strategy_index(strategy)})
+    batched: dict[int, dict[int, int]] = {}  # op node -> its outputs' batch dimensions
+    for vid, d in dims.items():
+        n, pos = sg.node_of_var[vid]
+        if sg.nodes[n].op_index is not None:
+            batched.setdefault(n, {})[pos] = d
+    out: dict[str, tuple[str, ...]] = {}
+    for n, outs in sorted(batched.items()):
+        node = sg.nodes[n]
+        if node.name in pins:
+            continue
+        keep = {j for j, s in enumerate(node.strategies) if all(s.output_specs[pos].dims[d] == axes for pos, d in outs.items())}
+        if keep and len(keep) < len(node.strategies) and admit(n, keep):
+            out[node.name] = tuple(node.strategies[j].name for j in sorted(keep))
     return out
 
 
