@@ -496,8 +496,8 @@ class ShardParallel(ParallelMethod):
 class DataParallel(ShardParallel):
     """Data parallelism: weights replicated, the batch split over every device, gradients all-reduced.
 
-    The method fixes how the arguments are stored (``passes.methods``); the ILP still chooses each op's layout
-    (matmuls always split over every device)."""
+    The method fixes how the arguments are stored, and every op making a tensor with a batch dimension keeps it
+    split over the devices (``passes.methods``); the ILP chooses the rest (how a weight's gradient is summed)."""
 
     auto_sharding_option: AutoShardingOption | None = field(
         default_factory=lambda: AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)
