@@ -589,6 +589,30 @@ def test_schedules_check_at_the_sizes_the_planner_uses_them(name):
 
 
 @pytest.mark.parametrize("name", sorted(WARMUP_SCHEDULES))
+def test_warmup_timeline_equals_the_simulated_schedule(name):
+    """The planner's timeline of the plan it keeps, made without the instruction lists (``warmup_timeline``):
+    every field and every record (kind, times, order) exactly ``simulate``'s, on random stage and link times
+    (links of 0 too: ties), 1 stage and 1 micro-batch up, fewer micro-batches than stages too."""
+    import random
+
+    from alpa_lab.passes.schedule import warmup_peaks, warmup_timeline
+
+    rng = random.Random(5)
+    for S in range(1, 7):
+        for M in (1, 2, 3, 5, 9):
+            f = [rng.uniform(0.1, 3.0) for _ in range(S)]
+            b = [rng.uniform(0.1, 5.0) for _ in range(S)]
+            links = [rng.choice([0.0, rng.uniform(0.0, 2.0)]) for _ in range(S - 1)]
+            sched = make_schedule(name, S, M)
+            want = simulate(sched, f, b, links)
+            assert warmup_timeline(name, f, b, links, M) == want, (S, M, f, b, links)
+            assert warmup_timeline(name, f, b, links, M, records=False) == simulate(sched, f, b, links, records=False)
+            assert warmup_peaks(name, S, M) == sched.program.peak_in_flight
+    with pytest.raises(ValueError, match="warm-up schedules are"):
+        warmup_timeline("zb_h1", [1.0], [1.0], [], 2)
+
+
+@pytest.mark.parametrize("name", sorted(WARMUP_SCHEDULES))
 def test_warmup_makespan_equals_the_simulated_schedule(name):
     """The planner's screening simulates each candidate's stage count without building its lists
     (``warmup_makespan``): exactly ``simulate``'s makespan, on random stage and link times (links of 0 too,

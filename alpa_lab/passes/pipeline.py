@@ -55,7 +55,7 @@ from alpa_lab.passes.intra_op import (
 from alpa_lab.passes.methods import AXIS_SYMMETRIC_METHODS, TIE_PERIODS, make_plan, method_restrictions, solve_tied
 from alpa_lab.passes.schedule import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, WARMUP_SCHEDULES, Schedule, Timeline, make_schedule, one_f_one_b_estimate,
-    one_f_one_b_windows, simulate, warmup_makespan,
+    one_f_one_b_windows, simulate, warmup_makespan, warmup_peaks, warmup_timeline,
 )
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, check_submesh_space, even_submesh, place_submeshes, submesh_shapes
@@ -876,9 +876,10 @@ def plan_stages(
     ``records=False``: the timeline without its per-instruction records (``simulated_timeline``
     makes them later for the candidate that is kept).
     """
-    sched = _stage_schedule(problem, stages, schedule, num_microbatches)
+    split = schedule in SPLIT_BACKWARD
+    peaks = _stage_peaks(problem, stages, schedule, num_microbatches)
     deferred: set[str] = set()
-    if sched.split_backward:
+    if split:
         stage_of_op = problem.slicing.stage_of_ops([layers for layers, *_ in stages])
         deferred = {problem.graph.ops[i].name for i in weight_gradient_ops(problem.graph, problem.slicing, stage_of_op)}
     results = []
@@ -895,10 +896,11 @@ def plan_stages(
             sums = [add for name, add in accumulation_seconds(problem, plan, layers).items() if name in deferred]
             wt += sum(sums) + (problem.cluster.task_overhead if sums else 0.0)
         results.append(
-            StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, sched.program.peak_in_flight[i], wt)
+            StageResult(i, layers, submesh, logical, devices, plan, f, b, a, w, act, peaks[i], wt)
         )
     if problem.stage_timer is not None:
-        results = _measured(problem.stage_timer(problem, results, sched), results, sched.split_backward)
+        sched = _stage_schedule(problem, stages, schedule, num_microbatches)
+        results = _measured(problem.stage_timer(problem, results, sched), results, split)
     return tuple(results), simulated_timeline(problem, results, schedule, num_microbatches, records=records)
 
 
@@ -907,6 +909,9 @@ def simulated_timeline(
 ) -> Timeline:
     """The schedule of planned stages simulated with their times and placed boundary transfers."""
     stages = [(r.layers, r.submesh_shape, r.logical_shape, r.device_ids) for r in results]
+    if schedule in WARMUP_SCHEDULES and _num_meshes(stages, schedule) is None:  # the same timeline, without the lists
+        return warmup_timeline(schedule, [r.forward_time for r in results], [r.backward_time for r in results],
+                               _transfer_time(problem, results), num_microbatches, records=records)
     sched = _stage_schedule(problem, stages, schedule, num_microbatches)
     split = sched.split_backward
     return simulate(
@@ -917,6 +922,14 @@ def simulated_timeline(
         weight_time=[r.weight_gradient_time for r in results] if split else None,
         records=records,
     )
+
+
+def _stage_peaks(problem: PipelineProblem, stages: Sequence[tuple], schedule: str, num_microbatches: int) -> tuple[int, ...]:
+    """Each stage's most micro-batches in flight: a warm-up schedule's from its shape (``warmup_peaks``), another's
+    from its program."""
+    if schedule in WARMUP_SCHEDULES and _num_meshes(stages, schedule) is None:
+        return warmup_peaks(schedule, len(stages), num_microbatches)
+    return _stage_schedule(problem, stages, schedule, num_microbatches).program.peak_in_flight
 
 
 def _stage_schedule(problem: PipelineProblem, stages: Sequence[tuple], schedule: str, num_microbatches: int) -> Schedule:

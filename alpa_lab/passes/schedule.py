@@ -85,6 +85,8 @@ __all__ = [
     "one_f_one_b_windows",
     "simulate",
     "warmup_makespan",
+    "warmup_peaks",
+    "warmup_timeline",
     "zb_h1",
 ]
 
@@ -493,18 +495,100 @@ def warmup_makespan(
     num_microbatches: int,
 ) -> float:
     """The makespan ``simulate`` gives schedule ``name`` (one of ``_WARMUP``'s: gpipe, 1f1b, eager_1f1b) for
-    these per-stage times and per-boundary transfers, without its instruction lists.
+    these per-stage times and per-boundary transfers, without its instruction lists (``_warmup_runs``).
 
-    Those lists (``_lower``) put each RECV right before the RUN that needs it and each SEND right after the
-    RUN that made the data, so a RUN starts at the later of its mesh's last end and its input's end plus the
-    boundary's transfer; that recurrence is walked here over the RUNs alone, in the order ``_build`` gives
-    them (``_warmup_then_1b1f``), each stage advancing while its inputs exist. It is what a search that
-    simulates many stage counts once each needs (building, compiling and simulating a schedule of 32 stages
-    and 1,024 micro-batches took 0.65 s here, this 50 ms);
+    It is what a search that simulates many stage counts once each needs (building, compiling and
+    simulating a schedule of 32 stages and 1,024 micro-batches took 0.65 s here, this 50 ms);
     ``tests/test_schedule.py`` checks it equals ``simulate`` exactly.
     """
+    *_, clock = _warmup_runs(name, forward_time, backward_time, transfer_time, num_microbatches)
+    return max(clock, default=0.0)
+
+
+def warmup_timeline(
+    name: str,
+    forward_time: Sequence[float],
+    backward_time: Sequence[float],
+    transfer_time: Sequence[float],
+    num_microbatches: int,
+    *,
+    records: bool = True,
+) -> Timeline:
+    """``simulate(make_schedule(name, S, M), ...)`` for a warm-up schedule (gpipe, 1f1b, eager_1f1b), every
+    field and record the same, without building, checking or compiling its instruction lists.
+
+    The planner simulates the plan it keeps; for GPT-39B (32 stages, 1,024 micro-batches) the lists are
+    225,000 instructions, and making them and working out what each waits for took 0.5 s of its 10. The
+    schedule's shape fixes the rest: a RECV runs right before the RUN that needs it, a SEND and a FREE right
+    after the RUN that made the data (``_lower``), so each takes its RUN's start or end; stage s holds at most
+    min(warm-up forwards, M) micro-batches, freed as its fused backward runs. ``tests/test_schedule.py`` checks
+    the whole timeline equals ``simulate``'s.
+    """
+    S, M = len(forward_time), num_microbatches
+    orders, starts, clock = _warmup_runs(name, forward_time, backward_time, transfer_time, num_microbatches)
+    ft, bt = _per_stage(forward_time, S, "forward_time"), _per_stage(backward_time, S, "backward_time")
+    link = tuple(float(t) for t in transfer_time)
+    makespan = max(clock, default=0.0)
+    busy = [0.0] * S  # summed as simulate sums it: each RUN's end - start, in the mesh's order
+    kept: list[TimelineRecord] = []
+    add = kept.append
+    for s in range(S):
+        dur = {FORWARD: ft[s], BACKWARD: bt[s]}
+        before, after = s > 0, s < S - 1
+        for (phase, m), t in zip(orders[s], starts[s], strict=True):
+            e = t + dur[phase]
+            busy[s] += e - t
+            if not records:
+                continue
+            if phase == FORWARD:
+                if before:
+                    add(TimelineRecord(s, "RECV", phase, m, t, t, s))
+                add(TimelineRecord(s, "RUN", phase, m, t, e, s))
+                if after:
+                    add(TimelineRecord(s, "SEND", phase, m, e, e, s))
+            else:
+                if after:
+                    add(TimelineRecord(s, "RECV", phase, m, t, t, s))
+                add(TimelineRecord(s, "RUN", phase, m, t, e, s))
+                add(TimelineRecord(s, "FREE", phase, m, e, e, s))
+                if before:
+                    add(TimelineRecord(s, "SEND", phase, m, e, e, s))
+    peaks = warmup_peaks(name, S, M)
+    return Timeline(
+        records=tuple(kept),
+        makespan=makespan,
+        bubble_fraction=1.0 - sum(busy) / (S * makespan) if makespan > 0 else 0.0,
+        peak_in_flight=peaks,
+        mesh_peak_in_flight=peaks,
+        peak_unfreed=peaks,
+        mesh_bubble_fractions=tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy),
+        mesh_peak_unfreed=peaks,
+        transfer_time=max(link, default=0.0),
+        transfer_times=link,
+    )
+
+
+def warmup_peaks(name: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches in flight under warm-up schedule ``name``: its warm-up forwards (at
+    most M), as ``simulate`` counts them (``peak_in_flight``), without building the schedule."""
+    return tuple(min(_WARMUP[name](num_stages, num_microbatches, s), num_microbatches) for s in range(num_stages))
+
+
+def _warmup_runs(
+    name: str,
+    forward_time: Sequence[float],
+    backward_time: Sequence[float],
+    transfer_time: Sequence[float],
+    num_microbatches: int,
+) -> tuple[list[list[tuple[str, int]]], list[list[float]], list[float]]:
+    """Each stage's RUN order under warm-up schedule ``name``, each RUN's start, and each stage's last end.
+
+    A RUN starts at the later of its mesh's last end and its input's end plus the boundary's transfer; that
+    recurrence is walked over the RUNs alone, in the order ``_build`` gives them (``_warmup_then_1b1f``),
+    each stage advancing while its inputs exist.
+    """
     if name not in _WARMUP:
-        raise ValueError(f"warmup_makespan takes {', '.join(sorted(_WARMUP))}, not {name!r} (simulate its schedule)")
+        raise ValueError(f"warm-up schedules are {', '.join(sorted(_WARMUP))}, not {name!r} (simulate its schedule)")
     S, M = len(forward_time), num_microbatches
     _validate_sizes(S, M)
     forward_time, backward_time = _per_stage(forward_time, S, "forward_time"), _per_stage(backward_time, S, "backward_time")
@@ -524,12 +608,13 @@ def warmup_makespan(
         }
         for s in range(S)
     ]
+    starts: list[list[float]] = [[] for _ in range(S)]
     clock, k = [0.0] * S, [0] * S
     progress = True
     while progress:
         progress = False
         for s in range(S):
-            t, i, order, feed = clock[s], k[s], orders[s], feeds[s]
+            t, i, order, feed, began = clock[s], k[s], orders[s], feeds[s], starts[s].append
             while i < len(order):
                 phase, m = order[i]
                 source, link, duration, mine = feed[phase]
@@ -539,6 +624,7 @@ def warmup_makespan(
                         break
                     if ready + link > t:
                         t = ready + link
+                began(t)
                 t += duration
                 mine[m] = t
                 i += 1
@@ -547,7 +633,7 @@ def warmup_makespan(
     stuck = [s for s in range(S) if k[s] < 2 * M]
     if stuck:
         raise ScheduleError(f"schedule {name!r} deadlocks: stuck stages {stuck}")
-    return max(clock, default=0.0)
+    return orders, starts, clock
 
 
 def one_f_one_b_estimate(stage_times: Sequence[float], transfer_times: Sequence[float], num_microbatches: int) -> float:
