@@ -71,9 +71,11 @@ def plan_graph(
     pins: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
     batch_vars: frozenset[int] | None = None,
+    batch_mesh_axis: int | None = None,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest plan over the candidate mesh shapes (``batch_vars``: the
-    arguments the data-parallel methods split, where the user named them)."""
+    arguments the data-parallel methods split, where the user named them; ``batch_mesh_axis``: Alpa's
+    ``force_batch_dim_to_mesh_dim``, the mesh axis every batch tensor stays split over)."""
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     shapes = [tuple(mesh_shape)] if mesh_shape is not None else cluster.logical_mesh_shapes()
@@ -85,7 +87,8 @@ def plan_graph(
         t0 = time.perf_counter()
         try:
             sg, solved = solve_tied(
-                lambda period, mesh=mesh: dataclasses.replace(build_strategy_graph(graph, mesh, tie_period=period), batch_vars=batch_vars),
+                lambda period, mesh=mesh: dataclasses.replace(
+                    build_strategy_graph(graph, mesh, tie_period=period), batch_vars=batch_vars, batch_mesh_axis=batch_mesh_axis),
                 method, pins, memory_budget=memory_budget,
             )
         except MethodError as exc:
@@ -333,6 +336,7 @@ class ParallelizedStep:
         stage_option: Any = None,
     ):
         alpa_default = method is None
+        batch_mesh_axis = None
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
         if isinstance(method, ParallelMethod):  # Alpa's method objects: the options they mean (parallel_method)
@@ -353,6 +357,7 @@ class ParallelizedStep:
             layers = opts.get("layers", layers)
             remat, submesh_space = opts.get("remat", remat), opts.get("submesh_space", submesh_space)
             logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
+            batch_mesh_axis = opts.get("batch_mesh_axis")
             if "cluster" in opts:  # the method's devices= (Alpa's device meshes) say the cluster and maybe the grid
                 if cluster is not None or mesh_shape is not None:
                     raise ValueError(
@@ -420,6 +425,8 @@ class ParallelizedStep:
             (cluster or (session.spec if session is not None else ClusterSpec.default())).logical_mesh(mesh_shape)
         self.mesh_shape = mesh_shape
         self.method = method
+        self.batch_mesh_axis: int | None = batch_mesh_axis
+        """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): single-mesh plans only"""
         self.memory_budget = memory_budget
         self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
@@ -634,6 +641,7 @@ class ParallelizedStep:
                 pins=pins,
                 progress=progress,
                 batch_vars=self._batch_vars(args),
+                batch_mesh_axis=self.batch_mesh_axis,
             )
         if not pins:
             with self._cache_lock:
@@ -700,7 +708,7 @@ class ParallelizedStep:
                     batch = frozenset(v for p, v in zip(graph.in_paths, graph.invars) if p in plan.batch_inputs)
                 else:
                     batch = self._batch_vars(args)
-                plan = dataclasses.replace(plan, problem=dataclasses.replace(sg, batch_vars=batch))
+                plan = dataclasses.replace(plan, problem=dataclasses.replace(sg, batch_vars=batch, batch_mesh_axis=plan.batch_mesh_axis))
         self.current_plan = plan
         return plan
 
@@ -996,6 +1004,7 @@ class ParallelizedStep:
         new = plan_graph(
             graph, cluster, mesh_shape=self.mesh_shape, method=plan.method, memory_budget=plan.memory_budget,
             pins=dict(plan.pins) or None, batch_vars=self._batch_vars(args or tuple(self._last_args)),
+            batch_mesh_axis=plan.batch_mesh_axis,
         )
         self.cluster = cluster  # only once planned: a failed re-plan leaves the step as it was
         self.current_plan = new

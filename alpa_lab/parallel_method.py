@@ -14,8 +14,8 @@ behind both spellings. ``ShardParallel(devices=...)`` takes Alpa's device meshes
 Alpa's alpha-beta numbers). What Alpa does that this planner does not (an inference schedule,
 fine-grained remat, a profiling database, devices other than the first ones JAX lists, options
 that forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
-thresholds, ``force_batch_dim_to_mesh_dim``, ``eps``) are accepted and change nothing, as each
-class says. Alpa's defaults are kept because code relies on them: ``PipeshardParallel`` cuts 2
+thresholds, ``eps``) are accepted and change nothing, as each class says (``force_batch_dim_to_mesh_dim``
+is honoured on one mesh, a hint in a pipeline's stages). Alpa's defaults are kept because code relies on them: ``PipeshardParallel`` cuts 2
 layers and, without ``stage_option``, places stages uniformly (one stage per layer on equal
 sub-meshes, each viewed as its own shape: ``UniformStageOption``), not by the stage DP
 (``stage_option="auto"``, over ``"power_of_two"`` sub-meshes with ``"single_node_model_parallel"``
@@ -67,10 +67,11 @@ class AutoShardingOption:
     Those that choose a method are read (``method_name``). ``allow_recompute_heavy_op`` and
     ``allow_mixed_mesh_shape`` are this planner's rule at their defaults (False): a matmul or
     convolution is split over every device of its mesh where its shapes allow (``sharding.rules``).
-    Those that only tune Alpa's own solver or its collective combiners (``force_batch_dim_to_mesh_dim``,
-    the thresholds, ``prefer_reduce_scatter`` without ``force_data_parallel``) are accepted and change
-    nothing; those that forbid strategies are refused. ``force_data_parallel`` keeps every op's batch
-    dimension split over the mesh, as Alpa's forced batch dimension does (``passes.methods.batch_dims``)."""
+    ``force_batch_dim_to_mesh_dim`` is honoured for a single-mesh plan (``ShardParallel``): every tensor with a
+    batch dimension keeps it split over that mesh axis alone (``passes.methods.batch_dims``); in a pipeline's
+    stages it is a hint, as Alpa's stage DP writes it. ``force_data_parallel`` keeps it split over every device.
+    Those that only tune Alpa's own solver or its collective combiners (the thresholds, ``prefer_reduce_scatter``
+    without ``force_data_parallel``) are accepted and change nothing; those that forbid strategies are refused."""
 
     enable_auto_sharding: bool = True
     allow_all_gather: bool = True
@@ -483,6 +484,15 @@ class ShardParallel(ParallelMethod):
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
         out.update(_mesh_options(self.devices, type(self).__name__))
+        axis = self.auto_sharding_option.force_batch_dim_to_mesh_dim
+        if axis is not None and axis != -1 and out["method"] == "alpa":  # Alpa's -1: not forced
+            if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis not in (0, 1):
+                raise MethodOptionError(f"AutoShardingOption(force_batch_dim_to_mesh_dim=...) must be a mesh axis, 0 or 1, got {axis!r}")
+            if self.num_micro_batches is not None and self.num_micro_batches != 1:
+                raise MethodOptionError(
+                    "AutoShardingOption(force_batch_dim_to_mesh_dim=...) applies to a single-mesh plan; with num_micro_batches "
+                    "the step is planned as a pipeline stage: drop one of them")
+            out["batch_mesh_axis"] = int(axis)
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
             if "mesh_shape" in out:
                 raise MethodOptionError(

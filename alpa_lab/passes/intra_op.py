@@ -110,6 +110,9 @@ class StrategyGraph:
     batch_vars: frozenset[int] | None = None
     """the data arguments that are the batch, where the user named them (``batch_argnums``); None: the data
     leaves leading with the batch size (``graph.analysis.batch_dimension``)"""
+    batch_mesh_axis: int | None = None
+    """Alpa's ``force_batch_dim_to_mesh_dim``: every tensor with a batch dimension keeps it split over this mesh
+    axis alone (whole where that axis has one device); None: the ILP chooses (``passes.methods``)"""
 
     def node_index(self, name: str) -> int:
         for i, n in enumerate(self.nodes):

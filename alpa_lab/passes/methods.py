@@ -64,7 +64,7 @@ def solve_method(
     solution = solve_strategy_graph(sg, pins, restrictions=restrictions, memory_budget=memory_budget)
     if method != "alpa":
         return MethodSolution(solution, restrictions)
-    return shard_weight_update(sg, solution, pins or {}, memory_budget)
+    return shard_weight_update(sg, solution, pins or {}, memory_budget, restrictions)
 
 
 TIE_PERIODS = (1, 2)
@@ -115,15 +115,11 @@ def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] 
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "alpa":
-        return {}
+        return _forced_batch_axis(sg, pins or {}) if sg.batch_mesh_axis is not None else {}
     mesh_shape = sg.mesh.shape
     all_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
     out: dict[str, tuple[str, ...]] = {}
-    # the batch: data leaves leading with the batch size; other data (a raw key, class weights) stays whole. A
-    # pipeline stage that reads no data takes it from the activations it receives
-    batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "data"])
-    if batch is None:
-        batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "activation"])
+    batch = _batch_size(sg)
     for vid, kind in sg.argument_kinds.items():
         if vid not in sg.node_of_var:
             continue
@@ -170,6 +166,46 @@ def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] 
         split = {vid: 0 for vid, kind in sg.argument_kinds.items() if vid in sg.node_of_var and kind in ("data", "activation")
                  and all(_split_along(spec, 0, all_axes) for spec in _specs_allowed(sg, vid, out))}
         out.update(batch_op_restrictions(sg, batch_dims(sg, split, all_axes), all_axes, out, pins or {}))
+    return out
+
+
+def _batch_size(sg: StrategyGraph) -> int | None:
+    """The batch size: data leaves leading with it (other data, a raw key or class weights, is not the batch); a
+    pipeline stage that reads no data takes it from the activations it receives."""
+    batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "data"])
+    if batch is None:
+        batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "activation"])
+    return batch
+
+
+def _forced_batch_axis(sg: StrategyGraph, pins: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Alpa's ``force_batch_dim_to_mesh_dim`` (``StrategyGraph.batch_mesh_axis``) on the ILP's own method: the batch
+    arguments and every op making a tensor with a batch dimension keep it split over that mesh axis alone, or whole
+    where the axis has one device (Alpa: the dimension is split into as many parts as the axis has devices). The
+    rest is the ILP's: a (1, n) mesh forced to axis 0 may split the weights over axis 1 (Megatron), not the batch."""
+    axis = sg.batch_mesh_axis
+    target = (axis,) if sg.mesh.shape[axis] > 1 else ()
+    probe = target or tuple(a for a in (0, 1) if sg.mesh.shape[a] > 1)[:1]  # an axis to find the batch's dimensions by
+    if not probe:
+        return {}
+    batch = _batch_size(sg)
+    out: dict[str, tuple[str, ...]] = {}
+    known: dict[int, int] = {}
+    for vid, kind in sg.argument_kinds.items():
+        shape = sg.var_info[vid][0]
+        is_batch = vid in sg.batch_vars if sg.batch_vars is not None else bool(shape) and shape[0] == batch
+        if kind not in ("data", "activation") or vid not in sg.node_of_var or not shape or not is_batch:
+            continue
+        node = sg.nodes[sg.node_of_var[vid][0]]
+        allowed = [s.name for s in node.strategies if s.output_specs[0].dims[0] == target]
+        if not allowed:
+            raise MethodError(
+                f"force_batch_dim_to_mesh_dim={axis}: cannot split the batch argument {node.name} of shape {shape} over "
+                f"mesh axis {axis} ({sg.mesh.shape[axis]} devices); its leading dimension must divide by it")
+        if node.name not in pins:
+            out[node.name] = tuple(allowed)
+        known[vid] = 0
+    out.update(batch_op_restrictions(sg, batch_dims(sg, known, probe), target, out, pins))
     return out
 
 
@@ -296,7 +332,8 @@ def _bandwidth_bound(sg: StrategyGraph, vid: int, spec: ShardingSpec, wider: Sha
 
 
 def shard_weight_update(
-    sg: StrategyGraph, solution: IntraOpSolution, pins: Mapping[str, str], memory_budget: float | None
+    sg: StrategyGraph, solution: IntraOpSolution, pins: Mapping[str, str], memory_budget: float | None,
+    given: Mapping[str, tuple[str, ...]] | None = None,
 ) -> MethodSolution:
     """Post-ILP rewrite (Alpa sec. 4.2): split the weight update over replicated mesh axes.
 
@@ -306,8 +343,10 @@ def shard_weight_update(
     an all-gather of the new weights: ZeRO-like. The re-solve keeps parameters where they
     were; the rewrite is kept unless the predicted step grows by more than REWRITE_TOLERANCE or
     its collectives move more bytes: an all-reduce replaced moves the same bytes (the paper's
-    "whenever applicable"), a split update whose gradient was never all-reduced moves more.
+    "whenever applicable"), a split update whose gradient was never all-reduced moves more. ``given``: the
+    restrictions the solution was made under (a forced batch axis), kept in the re-solve.
     """
+    given = dict(given or {})
     restrictions: dict[str, tuple[str, ...]] = {}
     rewrites = []
     axes = tuple(a for a in (0, 1) if sg.mesh.shape[a] > 1)
@@ -327,16 +366,16 @@ def shard_weight_update(
             restrictions[node.name] = (str(wider),)
             rewrites.append(f"{node.name}: {chosen.name} -> {wider}")
     if not restrictions:
-        return MethodSolution(solution, {})
+        return MethodSolution(solution, given)
     try:
-        rewritten = solve_strategy_graph(sg, {**pins, **keep}, restrictions=restrictions, memory_budget=memory_budget)
+        rewritten = solve_strategy_graph(sg, {**pins, **keep}, restrictions={**given, **restrictions}, memory_budget=memory_budget)
     except ValueError:
-        return MethodSolution(solution, {})
+        return MethodSolution(solution, given)
     if rewritten.objective > solution.objective * (1 + REWRITE_TOLERANCE) or (
         _bandwidth_seconds(sg, rewritten) > _bandwidth_seconds(sg, solution) * (1 + 1e-9)
     ):  # slower, or more bytes moved: the split update's gathers replaced no all-reduce
-        return MethodSolution(solution, {})
-    return MethodSolution(rewritten, {**restrictions, **{k: (v,) for k, v in keep.items()}}, tuple(rewrites))
+        return MethodSolution(solution, given)
+    return MethodSolution(rewritten, {**given, **restrictions, **{k: (v,) for k, v in keep.items()}}, tuple(rewrites))
 
 
 def _reshardings(sg: StrategyGraph, choice: tuple[int, ...]) -> list[tuple[Any, ShardingSpec, ShardingSpec, tuple]]:
@@ -447,6 +486,7 @@ def make_plan(
         },
         mesh_candidates=tuple(mesh_candidates),
         batch_inputs=None if sg.batch_vars is None else tuple(p for p, v in zip(in_paths, sg.invars) if v in sg.batch_vars),
+        batch_mesh_axis=sg.batch_mesh_axis,
         unplanned_primitives=sg.unplanned_primitives,
         rewrites=solved.rewrites,
         problem=sg,

@@ -207,6 +207,9 @@ class Plan:
     """the input paths the data-parallel methods split, where the user named the batch (``batch_argnums``):
     saved, so that a re-solve of the loaded plan splits the same ones; None: the data leaves leading with the
     batch size"""
+    batch_mesh_axis: int | None = None
+    """Alpa's ``force_batch_dim_to_mesh_dim``: the mesh axis every batch tensor was kept split over (saved, so a
+    re-solve of the loaded plan keeps it); None: the ILP chose"""
     schema_version: int = SCHEMA_VERSION
     problem: PlanProblem | None = field(default=None, compare=False, repr=False)
     """the planner state (``passes.intra_op.StrategyGraph``) edits ask: not saved; ``ParallelizedStep.use`` re-attaches it."""
@@ -495,7 +498,14 @@ def _plan_from_dict(d: dict) -> Plan:
         unplanned_primitives=tuple(d.get("unplanned_primitives", [])),
         rewrites=tuple(d.get("rewrites", [])),
         batch_inputs=None if d.get("batch_inputs") is None else tuple(str(p) for p in d["batch_inputs"]),
+        batch_mesh_axis=None if d.get("batch_mesh_axis") is None else _mesh_axis(d["batch_mesh_axis"]),
     )
+
+
+def _mesh_axis(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v not in (0, 1):
+        raise ValueError(f"batch_mesh_axis must be 0 or 1, got {v!r}")
+    return v
 
 
 
