@@ -39,7 +39,7 @@ from alpa_lab.passes.inter_op import (
     stage_dp,
 )
 from alpa_lab.graph.layering import brute_force_layers, cluster_layers
-from alpa_lab.passes.schedule import check, make_schedule, simulate
+from alpa_lab.passes.schedule import check, make_schedule, simulate, warmup_timeline
 from alpa_lab.passes.submesh import submesh_shapes
 
 Shape = tuple[int, int]
@@ -309,6 +309,22 @@ def table_schedules(stage_counts, mb_counts, repeats: int, fwd=1.0, bwd=2.0, xfe
                 )
 
 
+def table_warmup_timelines(cases, repeats: int) -> None:
+    """The planner's timeline of a warm-up schedule without its lists (``warmup_timeline``) against building,
+    compiling and simulating the schedule (the baseline), both with every record, in the same run; equal checked."""
+    print("\n[4] warm-up schedule timelines with records: warmup_timeline vs make_schedule + simulate (median s)")
+    print(f"{'S':>3} {'M':>5} {'schedule':>10} {'records':>8} {'simulate':>9} {'no lists':>9} {'speed-up':>9}")
+    for S, M in cases:
+        f = [1.0 + 0.01 * s for s in range(S)]
+        b = [2.0 + 0.02 * s for s in range(S)]
+        links = [0.1] * (S - 1)
+        for name in ("1f1b", "gpipe"):
+            base, base_s = median_time(lambda: simulate(make_schedule(name, S, M), f, b, links), repeats)  # noqa: B023
+            fast, fast_s = median_time(lambda: warmup_timeline(name, f, b, links, M), repeats)  # noqa: B023
+            assert fast == base, (S, M, name)
+            print(f"{S:>3} {M:>5} {name:>10} {len(fast.records):>8} {base_s:>9.3f} {fast_s:>9.3f} {base_s / fast_s:>8.1f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
@@ -335,6 +351,7 @@ def main() -> None:
     table_stage_dp(stage_cases, args.microbatches, args.repeats, args.case_budget)
     table_layering(op_sizes, layer_counts, brute_sizes, args.repeats)
     table_schedules(stage_counts, mb_counts, args.repeats)
+    table_warmup_timelines([(8, 64), (32, 1024)] if not args.quick else [(8, 64)], args.repeats)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
 
 
