@@ -79,6 +79,8 @@ def plan_graph(
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     shapes = [tuple(mesh_shape)] if mesh_shape is not None else cluster.logical_mesh_shapes()
+    if mesh_shape is None and batch_mesh_axis is not None:  # the forced axis splits the batch: grids where it can
+        shapes = [s for s in shapes if s[batch_mesh_axis] > 1] or shapes
     meshes = [cluster.logical_mesh(s) for s in shapes]  # validates a given shape
     best: Plan | None = None
     tried = []

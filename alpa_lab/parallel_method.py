@@ -67,9 +67,11 @@ class AutoShardingOption:
     Those that choose a method are read (``method_name``). ``allow_recompute_heavy_op`` and
     ``allow_mixed_mesh_shape`` are this planner's rule at their defaults (False): a matmul or
     convolution is split over every device of its mesh where its shapes allow (``sharding.rules``).
-    ``force_batch_dim_to_mesh_dim`` is honoured for a single-mesh plan (``ShardParallel``): every tensor with a
-    batch dimension keeps it split over that mesh axis alone (``passes.methods.batch_dims``); in a pipeline's
-    stages it is a hint, as Alpa's stage DP writes it. ``force_data_parallel`` keeps it split over every device.
+    ``force_batch_dim_to_mesh_dim`` is honoured for a single-mesh plan (``ShardParallel``): every op making a
+    tensor with a batch dimension keeps it split over that mesh axis alone (``passes.methods.batch_dims``; a
+    pinned op, or one with no such strategy, excepted), and grids where that axis has one device are not tried
+    unless ``devices`` gives one; in a pipeline's stages it is a hint, as Alpa's stage DP writes it.
+    ``force_data_parallel`` keeps the batch split over every device, and takes precedence over it.
     Those that only tune Alpa's own solver or its collective combiners (the thresholds, ``prefer_reduce_scatter``
     without ``force_data_parallel``) are accepted and change nothing; those that forbid strategies are refused."""
 
@@ -485,9 +487,10 @@ class ShardParallel(ParallelMethod):
         out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
         out.update(_mesh_options(self.devices, type(self).__name__))
         axis = self.auto_sharding_option.force_batch_dim_to_mesh_dim
-        if axis is not None and axis != -1 and out["method"] == "alpa":  # Alpa's -1: not forced
+        if axis is not None and axis != -1:  # Alpa's -1: not forced
             if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis not in (0, 1):
                 raise MethodOptionError(f"AutoShardingOption(force_batch_dim_to_mesh_dim=...) must be a mesh axis, 0 or 1, got {axis!r}")
+        if axis is not None and axis != -1 and out["method"] == "alpa":  # force_data_parallel / ZeRO: the batch over every device
             if self.num_micro_batches is not None and self.num_micro_batches != 1:
                 raise MethodOptionError(
                     "AutoShardingOption(force_batch_dim_to_mesh_dim=...) applies to a single-mesh plan; with num_micro_batches "
@@ -507,7 +510,8 @@ class DataParallel(ShardParallel):
     """Data parallelism: weights replicated, the batch split over every device, gradients all-reduced.
 
     The method fixes how the arguments are stored, and every op making a tensor with a batch dimension keeps it
-    split over the devices (``passes.methods``); the ILP chooses the rest (how a weight's gradient is summed)."""
+    split over the devices where it can (``passes.methods``: ops you pin excepted); the ILP chooses the rest (how
+    a weight's gradient is summed)."""
 
     auto_sharding_option: AutoShardingOption | None = field(
         default_factory=lambda: AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)

@@ -234,9 +234,24 @@ def test_force_batch_dim_to_mesh_dim():
     pinned = plan.pin(dot.name, other)  # a re-solve keeps the forced axis for the other ops
     assert set(v for k, v in batch_splits_of(pinned, step).items()) == {(0,)}
 
-    option = al.AutoShardingOption(force_batch_dim_to_mesh_dim=1)
+    option = al.AutoShardingOption(force_batch_dim_to_mesh_dim=1)  # the other axis of the transposed grid
+    *_, objective, step = run_mlp(32, 256, al.ShardParallel(devices=logical_mesh((1, 4)), auto_sharding_option=option), atol=5e-4)
+    assert set(batch_splits(step).values()) == {(1,)}
+    option = al.AutoShardingOption(force_batch_dim_to_mesh_dim=1)  # an axis of one device: the batch stays whole
     *_, objective, step = run_mlp(32, 256, al.ShardParallel(devices=logical_mesh((4, 1)), auto_sharding_option=option))
     assert objective == pytest.approx(free) and set(batch_splits(step).values()) == {()}
+
+
+def test_force_batch_dim_to_mesh_dim_chooses_a_grid_where_that_axis_splits():
+    """Without a grid given, the planner tries only those where the forced axis has devices (the 1x4 grid would
+    keep the batch whole, which ``force_batch_dim_to_mesh_dim=0`` is not asked for): every batch op splits its batch
+    over axis 0 of the grid chosen."""
+    option = al.AutoShardingOption(force_batch_dim_to_mesh_dim=0)
+    *_, step = run_mlp(32, 256, al.ShardParallel(devices=al.LocalPhysicalDeviceMesh(jax.local_devices()[:4]),
+                                                 auto_sharding_option=option), atol=5e-4)
+    plan = step.current_plan
+    assert plan.mesh_shape[0] > 1 and all(shape[0] > 1 for shape, _ in plan.mesh_candidates), plan.mesh_candidates
+    assert set(batch_splits(step).values()) == {(0,)}
 
 
 def batch_splits_of(plan, step):

@@ -15,6 +15,7 @@ maps the group choices back to every op. It is pure: same inputs, same result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 import weakref
@@ -114,10 +115,18 @@ class StrategyGraph:
     """Alpa's ``force_batch_dim_to_mesh_dim``: every tensor with a batch dimension keeps it split over this mesh
     axis alone (whole where that axis has one device); None: the ILP chooses (``passes.methods``)"""
 
-    def node_index(self, name: str) -> int:
+    @functools.cached_property
+    def _node_indices(self) -> dict[str, int]:
+        """name -> node index, the first of a name, made once: a data-parallel method restricts every batch op by name."""
+        out: dict[str, int] = {}
         for i, n in enumerate(self.nodes):
-            if n.name == name:
-                return i
+            out.setdefault(n.name, i)
+        return out
+
+    def node_index(self, name: str) -> int:
+        i = self._node_indices.get(name)
+        if i is not None:
+            return i
         hint = did_you_mean(name, [n.name for n in self.nodes])
         raise PinError(f"no op or argument named {name!r} in this program{hint}", (name,))
 

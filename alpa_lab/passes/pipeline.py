@@ -167,7 +167,8 @@ class PipelineProblem:
     consumers: Mapping[int, Sequence[int]] = field(default_factory=dict)
     """var -> the ops that read it (``graph.consumers()``, once: every piece cut needs it)"""
     schedules: dict[tuple, Schedule] = field(default_factory=dict)
-    """(schedule, stages, micro-batches, meshes) -> its instruction lists (``_stage_schedule``)"""
+    """(schedule, stages, micro-batches, meshes) -> its instruction lists (``_stage_schedule``): the schedules
+    planning builds (interleaved, ZB, the profiling cost model's); a warm-up schedule's timeline needs none"""
     stage_timer: Callable[..., Mapping[tuple[int, str], float]] | None = None
     """the profiling cost model (``runtime.stage_profile``): (problem, stages, schedule) -> measured
     seconds per (stage, phase); when set, planned stages are timed on the devices, not priced"""
@@ -936,8 +937,8 @@ def _stage_schedule(problem: PipelineProblem, stages: Sequence[tuple], schedule:
     """The schedule of ``stages``, kept on the problem: it depends only on the stage count, meshes and
     micro-batches, which candidates share. Its program (``Schedule.program``: what each instruction waits
     for, the peaks in flight) is made once too, and refuses a deadlock. The full proof (``schedule.check``)
-    is not run here: the generators are checked by the tests, up to the paper's sizes (GPT-39B's 32 stages
-    and 1,024 micro-batches, where it cost planning 0.7 s)."""
+    is not run here: the generators are checked by the tests, up to the paper's sizes. Planning asks for it
+    only where a warm-up schedule's shortcuts (``warmup_timeline``, ``warmup_peaks``) do not apply."""
     key = (schedule, len(stages), num_microbatches, _num_meshes(stages, schedule))
     if key not in problem.schedules:
         problem.schedules[key] = stage_schedule(stages, schedule, num_microbatches)

@@ -515,7 +515,8 @@ def warmup_timeline(
     records: bool = True,
 ) -> Timeline:
     """``simulate(make_schedule(name, S, M), ...)`` for a warm-up schedule (gpipe, 1f1b, eager_1f1b), every
-    field and record the same, without building, checking or compiling its instruction lists.
+    field and record the same, without building, checking or compiling its instruction lists. Times are per
+    stage (S of them) and per boundary (S - 1; one number: every boundary's).
 
     The planner simulates the plan it keeps; for GPT-39B (32 stages, 1,024 micro-batches) the lists are
     225,000 instructions, and making them and working out what each waits for took 0.5 s of its 10. The
@@ -525,6 +526,8 @@ def warmup_timeline(
     the whole timeline equals ``simulate``'s.
     """
     S, M = len(forward_time), num_microbatches
+    if isinstance(transfer_time, (int, float)):
+        transfer_time = (transfer_time,) * max(S - 1, 0)
     orders, starts, clock = _warmup_runs(name, forward_time, backward_time, transfer_time, num_microbatches)
     ft, bt = _per_stage(forward_time, S, "forward_time"), _per_stage(backward_time, S, "backward_time")
     link = tuple(float(t) for t in transfer_time)
