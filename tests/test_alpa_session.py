@@ -434,6 +434,18 @@ class LinearMLP(nn.Module):
         return x
 
 
+def reduce_scatter_pipeline(step, state, batch):
+    """Alpa's test_reduce_scatter set-up: ``step`` pipelined at its boundaries over 4 micro-batches with
+    ``force_data_parallel`` and ``prefer_reduce_scatter``; the parallel step and, per unit task in Alpa's order
+    (forwards, backwards, updates), the collectives XLA compiled (scalar all-reduces left out, as Alpa's test)."""
+    method = al.PipeshardParallel(
+        num_micro_batches=4, layer_option="manual", stage_option=al.UniformStageOption(),
+        default_auto_sharding_option=al.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True))
+    p = al.parallelize(step, method=method)
+    texts = p.get_executable(state, batch).get_hlo_text()
+    return p, [al.count_communication_primitives(t, ignore_scalar_all_reduce=True) for t in texts]
+
+
 def test_force_data_parallel_pipeline_communicates_only_for_gradients():
     """Alpa's test_reduce_scatter (MLP): with ``force_data_parallel`` and ``prefer_reduce_scatter`` every stage is
     data parallel end to end, the activations it receives split over the batch as its inputs are. Oracle: XLA's
@@ -447,11 +459,7 @@ def test_force_data_parallel_pipeline_communicates_only_for_gradients():
     state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x),
                               tx=optax.sgd(1e-2, momentum=0.9))
     batch = {"x": x, "y": jnp.sin(x)}
-    method = al.PipeshardParallel(
-        num_micro_batches=4, layer_option="manual", stage_option=al.UniformStageOption(),
-        default_auto_sharding_option=al.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True))
-    p = al.parallelize(train_step, method=method)
-    counts = [al.count_communication_primitives(t, ignore_scalar_all_reduce=True) for t in p.get_executable(state, batch).get_hlo_text()]
+    p, counts = reduce_scatter_pipeline(train_step, state, batch)
     assert len(counts) == 6
     assert counts[0][0] == 0 and counts[1][0] == 0, counts  # forward of stages 0 and 1
     assert counts[2][:2] == (1, 1) and counts[3][:2] == (1, 1), counts  # backward: one all-reduce each
@@ -572,11 +580,7 @@ def test_force_data_parallel_keeps_attention_layers_data_parallel_inside():
         loss, grads = al.value_and_grad(loss_func)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    method = al.PipeshardParallel(
-        num_micro_batches=4, layer_option="manual", stage_option=al.UniformStageOption(),
-        default_auto_sharding_option=al.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True))
-    p = al.parallelize(step, method=method)
-    counts = [al.count_communication_primitives(t, ignore_scalar_all_reduce=True) for t in p.get_executable(state, batch).get_hlo_text()]
+    p, counts = reduce_scatter_pipeline(step, state, batch)
     assert len(counts) == 6
     assert counts[0][0] == 0 and counts[1][0] == 0, counts  # forward of stages 0 and 1
     assert_close(jax.jit(step)(state, batch)[0].params, p(state, batch)[0].params, "params")

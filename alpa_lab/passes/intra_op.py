@@ -636,6 +636,12 @@ def group_index(group_of_node: np.ndarray) -> dict[int, int]:
     return {g: i for i, g in enumerate(sorted(set(int(g) for g in group_of_node)))}
 
 
+def group_choices(sg: StrategyGraph, gindex: Mapping[int, int], n: int, strategies: Collection[int]) -> tuple[int, set[int]]:
+    """(node n's group in the cost graph, the group's choices that give n one of ``strategies``): a merged or tied
+    node's strategy follows its group's choice (``member_map``)."""
+    return gindex[int(sg.group_of_node[n])], {r for r, m in enumerate(sg.member_map[n]) if int(m) in strategies}
+
+
 def allowed_strategies(
     sg: StrategyGraph, pins: Mapping[str, str], restrictions: Mapping[str, Collection[str]] | None = None
 ) -> dict[int, set[int]]:
@@ -655,9 +661,7 @@ def allowed_strategies(
     allowed: dict[int, set[int]] = {}
     owner: dict[int, list[str]] = {}
     for name, (js, why) in wanted.items():
-        n = sg.node_index(name)
-        gi = gindex[int(sg.group_of_node[n])]
-        reps = {r for r, m in enumerate(sg.member_map[n]) if int(m) in js}
+        gi, reps = group_choices(sg, gindex, sg.node_index(name), js)
         if not reps:
             leader = sg.cost_graph.names[gi]
             raise PinError(

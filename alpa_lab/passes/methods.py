@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from alpa_lab.graph.analysis import batch_dimension
-from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, group_index, solve_strategy_graph
+from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, group_choices, group_index, solve_strategy_graph
 from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
 from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.spec import ShardingSpec
@@ -120,6 +120,7 @@ def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] 
     all_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
     out: dict[str, tuple[str, ...]] = {}
     batch = _batch_size(sg)
+    split_batch: dict[int, int] = {}  # the arguments held split over the batch (dimension 0) on every device
     for vid, kind in sg.argument_kinds.items():
         if vid not in sg.node_of_var:
             continue
@@ -134,14 +135,14 @@ def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] 
             allowed = _batch_split(specs, all_axes)
             if allowed:
                 out[node.name] = tuple(str(s) for s in allowed)
+                split_batch[vid] = 0
                 continue
         if kind == "data":
             if method == "megatron":  # data parallel only along mesh axis 0
                 axes = (0,) if mesh_shape[0] > 1 else ()
             else:
                 axes = all_axes
-            is_batch = vid in sg.batch_vars if sg.batch_vars is not None else bool(shape) and shape[0] == batch
-            if not shape or not axes or not is_batch:
+            if not shape or not axes or not _is_batch(sg, vid, batch):
                 allowed = replicated
             else:
                 allowed = _batch_split(specs, axes)
@@ -151,6 +152,8 @@ def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] 
                         f"{mesh_shape[0]}x{mesh_shape[1]} mesh; its leading dimension must divide by "
                         f"{ShardingSpec(((axes),)).num_shards(mesh_shape)}"
                     )
+                if axes == all_axes:
+                    split_batch[vid] = 0
         elif method == "megatron":
             if kind == "param" and len(shape) >= 2 and mesh_shape[1] > 1:
                 allowed = [s for s in specs if 1 in s.mesh_axes_used and 0 not in s.mesh_axes_used]
@@ -163,9 +166,7 @@ def method_restrictions(method: str, sg: StrategyGraph, pins: Mapping[str, str] 
             allowed = [spec] if spec else replicated
         out[node.name] = tuple(str(s) for s in allowed)
     if method in BATCH_SPLIT_ACTIVATIONS and all_axes:
-        split = {vid: 0 for vid, kind in sg.argument_kinds.items() if vid in sg.node_of_var and kind in ("data", "activation")
-                 and all(_split_along(spec, 0, all_axes) for spec in _specs_allowed(sg, vid, out))}
-        out.update(batch_op_restrictions(sg, batch_dims(sg, split, all_axes), all_axes, out, pins or {}))
+        out.update(batch_op_restrictions(sg, batch_dims(sg, split_batch, all_axes), all_axes, out, pins or {}))
     return out
 
 
@@ -176,6 +177,12 @@ def _batch_size(sg: StrategyGraph) -> int | None:
     if batch is None:
         batch = batch_dimension([tuple(sg.var_info[v][0]) for v, k in sg.argument_kinds.items() if k == "activation"])
     return batch
+
+
+def _is_batch(sg: StrategyGraph, vid: int, batch: int | None) -> bool:
+    """Whether argument ``vid`` is the batch: one the user named (``batch_vars``), else one leading with its size."""
+    shape = sg.var_info[vid][0]
+    return vid in sg.batch_vars if sg.batch_vars is not None else bool(shape) and shape[0] == batch
 
 
 def _forced_batch_axis(sg: StrategyGraph, pins: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
@@ -193,8 +200,7 @@ def _forced_batch_axis(sg: StrategyGraph, pins: Mapping[str, str]) -> dict[str, 
     known: dict[int, int] = {}
     for vid, kind in sg.argument_kinds.items():
         shape = sg.var_info[vid][0]
-        is_batch = vid in sg.batch_vars if sg.batch_vars is not None else bool(shape) and shape[0] == batch
-        if kind not in ("data", "activation") or vid not in sg.node_of_var or not shape or not is_batch:
+        if kind not in ("data", "activation") or vid not in sg.node_of_var or not shape or not _is_batch(sg, vid, batch):
             continue
         node = sg.nodes[sg.node_of_var[vid][0]]
         allowed = [s.name for s in node.strategies if s.output_specs[0].dims[0] == target]
@@ -207,13 +213,6 @@ def _forced_batch_axis(sg: StrategyGraph, pins: Mapping[str, str]) -> dict[str, 
         known[vid] = 0
     out.update(batch_op_restrictions(sg, batch_dims(sg, known, probe), target, out, pins))
     return out
-
-
-def _specs_allowed(sg: StrategyGraph, vid: int, restrictions: Mapping[str, tuple[str, ...]]) -> list[ShardingSpec]:
-    """The storage specs an argument may take under ``restrictions``."""
-    node = sg.nodes[sg.node_of_var[vid][0]]
-    names = restrictions.get(node.name)
-    return [s.output_specs[0] for s in node.strategies if names is None or s.name in names]
 
 
 def batch_dims(sg: StrategyGraph, known: Mapping[int, int], axes: tuple[int, ...]) -> dict[int, int]:
@@ -270,8 +269,7 @@ def batch_op_restrictions(
 
     def admit(n: int, strategies: set[int]) -> bool:
         """Narrow n's group to the choices giving n one of ``strategies``, unless that leaves none."""
-        gi = gindex[int(sg.group_of_node[n])]
-        mine = {r for r, m in enumerate(sg.member_map[n]) if int(m) in strategies}
+        gi, mine = group_choices(sg, gindex, n, strategies)
         narrowed = reps.get(gi, mine) & mine
         if not narrowed:
             return False

@@ -910,7 +910,7 @@ def simulated_timeline(
 ) -> Timeline:
     """The schedule of planned stages simulated with their times and placed boundary transfers."""
     stages = [(r.layers, r.submesh_shape, r.logical_shape, r.device_ids) for r in results]
-    if schedule in WARMUP_SCHEDULES and _num_meshes(stages, schedule) is None:  # the same timeline, without the lists
+    if _without_lists(stages, schedule):  # the same timeline
         return warmup_timeline(schedule, [r.forward_time for r in results], [r.backward_time for r in results],
                                _transfer_time(problem, results), num_microbatches, records=records)
     sched = _stage_schedule(problem, stages, schedule, num_microbatches)
@@ -925,10 +925,16 @@ def simulated_timeline(
     )
 
 
+def _without_lists(stages: Sequence[tuple], schedule: str) -> bool:
+    """Whether ``schedule`` over ``stages`` is a warm-up schedule with one stage per mesh, whose makespan, timeline
+    and peaks ``passes.schedule`` works out without building its instruction lists (``warmup_timeline``)."""
+    return schedule in WARMUP_SCHEDULES and _num_meshes(stages, schedule) is None
+
+
 def _stage_peaks(problem: PipelineProblem, stages: Sequence[tuple], schedule: str, num_microbatches: int) -> tuple[int, ...]:
     """Each stage's most micro-batches in flight: a warm-up schedule's from its shape (``warmup_peaks``), another's
     from its program."""
-    if schedule in WARMUP_SCHEDULES and _num_meshes(stages, schedule) is None:
+    if _without_lists(stages, schedule):
         return warmup_peaks(schedule, len(stages), num_microbatches)
     return _stage_schedule(problem, stages, schedule, num_microbatches).program.peak_in_flight
 
@@ -965,7 +971,7 @@ def estimated_step(problem: PipelineProblem, inter: InterOpPlan, schedule: str, 
     if schedule in SPLIT_BACKWARD or any(c is None for c in costs):
         return 0.0  # a split backward's weight gradients fill bubbles: the layers' backward is no floor; plan it
     forward, backward, links = [c.forward for c in costs], [c.backward for c in costs], _transfer_time(problem, inter.stages)
-    if schedule in WARMUP_SCHEDULES and _num_meshes(stages, schedule) is None:  # its makespan without its lists
+    if _without_lists(stages, schedule):  # its makespan
         return warmup_makespan(schedule, forward, backward, links, inter.num_microbatches)
     sched = _stage_schedule(problem, stages, schedule, inter.num_microbatches)
     return simulate(sched, forward_time=forward, backward_time=backward, transfer_time=links, records=False).makespan
