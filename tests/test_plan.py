@@ -209,6 +209,11 @@ def test_corrupt_and_foreign_plan_json(step_and_plan, tmp_path, example):
     bad.write_text(json.dumps(data))
     with pytest.raises(al.PlanFormatError, match="missing or has malformed"):
         al.Plan.load(bad)
+    data = json.loads(plan.to_json())
+    data["batch_mesh_axis"] = 2  # force_batch_dim_to_mesh_dim names a mesh axis, 0 or 1
+    bad.write_text(json.dumps(data))
+    with pytest.raises(al.PlanFormatError, match="batch_mesh_axis must be 0 or 1, got 2"):
+        al.Plan.load(bad)
     with pytest.raises(al.PlanFormatError, match="cannot read plan file"):
         al.Plan.load(tmp_path / "missing.json")
     # a plan of another program (other shapes) is refused, and the current plan stays
