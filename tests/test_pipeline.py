@@ -516,3 +516,39 @@ def test_gradient_sums_run_one_program_per_mesh_and_keep_integers_last():
     np.testing.assert_allclose(np.asarray(out[2]), np.full(4, 2.0), rtol=1e-7)
     np.testing.assert_array_equal(np.asarray(out[1]), np.full(4, 2))
     assert out[2].sharding == on[1]
+
+
+def test_a_profiled_run_times_each_unit_task_from_its_inputs_arrival():
+    """With ``profile`` on, a RUN's record is the program's run alone: its inputs (a micro-batch put on the
+    stage's mesh, an activation sent from the other mesh) have arrived before the clock starts, as the Ray
+    runtime's RECV comes before its RUN. Before, the asynchronous puts were still in flight when the program
+    was called (15 of 24 calls here), so the records charged the transfers to the stages, which the plan prices
+    apart. Oracle: ``jax.Array.is_ready`` of every input at the call."""
+
+    def train_step(params, batch):
+        def loss(p):
+            x = jnp.tanh(batch @ p["w0"])
+            x = al.mark_stage_boundary(x)
+            return jnp.mean(jnp.tanh(x @ p["w1"]) ** 2)
+
+        grads = al.grad(loss)(params)
+        return jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, params, grads)
+
+    params = {"w0": jnp.ones((512, 512)) * 0.01, "w1": jnp.ones((512, 512)) * 0.01}
+    batch = jnp.ones((8192, 512))  # 8 MiB a micro-batch: its puts take long enough to be seen in flight
+    step = al.parallelize(train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=2, layers=2)
+    step.use(step.plan(params, batch).pin_stages([[0, 0], [1, 1]], submeshes=[(1, 4), (1, 4)]))
+    compiled = step.compiled(params, batch)
+    compiled.profile = True
+    calls = []
+    for key, task in list(compiled.tasks.items()):
+        def timed(*ins, _fn=task.fn, _key=key):
+            calls.append((_key, all(x.is_ready() for x in ins if isinstance(x, jax.Array))))
+            return _fn(*ins)
+
+        compiled.tasks[key] = dataclasses.replace(task, fn=timed)
+    for _ in range(3):
+        params = step(params, batch)
+    assert len(calls) >= 12 and any(key == (1, FORWARD) for key, _ in calls)
+    assert [key for key, ready in calls if not ready] == []
+    assert len(compiled.last_timings["records"]) >= 8

@@ -79,7 +79,8 @@ class CompiledPipeline:
     last_timings: dict[str, Any] = field(default_factory=dict)
     """the last call's seconds, per-task dispatch seconds and (stage, phase, micro-batch, start, end) records."""
     profile: bool = False
-    """wait for each unit task to finish, so the records are run times, not dispatch times."""
+    """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
+    or transfer times."""
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
@@ -309,6 +310,8 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     def execute(s: int, phase: str, mb: int) -> None:
         task = cp.tasks[(s, phase)]
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
+        if cp.profile:  # the record is the RUN alone, as the plan prices it: the puts above (RECVs) have arrived
+            jax.block_until_ready(ins)
         t = time.perf_counter()
         outs = task.fn(*ins)
         made = [(v, x) for v, x in zip(task.outvars, outs) if v in accumulated]
