@@ -93,8 +93,22 @@ def test_launch_runs_in_the_background_and_the_dashboard_shows_the_run(mlp):
     tr = views.traffic(plan)
     assert {(ln.sender, ln.receiver): ln.predicted for ln in s.links} == {c: tr.mesh_bytes[c[0]][c[1]] for c in tr.cells}
     assert all(ln.measured is None for ln in s.links)
+    # transfers: each tensor a mesh got from the other, every micro-batch, timed from its send to its arrival (as a
+    # mesh worker's RECV); oracle: the plan's cross-mesh transfers (passes.transfers) of the micro-batch phases
+    window_recvs = [b for b in s.bars if b.kind == "TRANSFER"]
+    per_microbatch = {c: {t.var for t in ts if t.phase in ("forward", "backward")} for c, ts in tr.transfers.items()}
+    expected = {(b, mb) for (a, b), vs in per_microbatch.items() if vs for mb in range(plan.num_microbatches)}
+    assert {(b.mesh, b.microbatch) for b in window_recvs} == expected and len(expected) == 2 * plan.num_microbatches
+    recvs = [e for e in run.monitor.snapshot().events if e.kind == "recv"]
+    got_vars: dict[tuple[int, int], set] = {}
+    for e in recvs:
+        got_vars.setdefault((e.peer, e.mesh), set()).add(e.var)
+        assert e.end > e.start and e.nbytes == plan.problem.graph.vars[e.var].nbytes
+    assert got_vars == {c: vs for c, vs in per_microbatch.items() if vs}
     # measured against predicted per stage phase: the profile's rows, medians of the monitor's durations
     costs = {(c.stage, c.kind, c.phase): c for c in s.costs}
+    for mesh in (0, 1):  # a transfer is priced per message: one sample each, every message of the steady steps
+        assert costs[(mesh, "TRANSFER", "")].count >= plan.num_microbatches * (6 - 1)
     for st in plan.stages:
         c = costs[(st.index, "RUN", "forward")]
         spans = [b.end - b.start for b in s.bars if (b.stage, b.kind, b.phase) == (st.index, "RUN", "forward")]

@@ -77,7 +77,8 @@ class CompiledPipeline:
     plan: Any = None
     """the PipelinePlan this was compiled from (set by ``ParallelizedStep``)."""
     last_timings: dict[str, Any] = field(default_factory=dict)
-    """the last call's seconds, per-task dispatch seconds and (stage, phase, micro-batch, start, end) records."""
+    """the last call's seconds, per-task dispatch seconds, (stage, phase, micro-batch, start, end) records and, when
+    profiled, (stage, var, micro-batch, bytes, start, end) transfers: each tensor a stage got from another mesh."""
     profile: bool = False
     """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
     or transfer times."""
@@ -261,6 +262,12 @@ def walk_schedule(
             wait()
 
 
+def _devices(x: Any) -> set | None:
+    """The devices an array is on (None: a host value)."""
+    sharding = getattr(x, "sharding", None)
+    return None if sharding is None else set(sharding.device_set)
+
+
 def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     graph, sl, M = cp.graph, cp.slicing, cp.num_microbatches
     if len(flat_args) != len(graph.invars):
@@ -296,6 +303,8 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         key = (v, mb, stage)
         if key not in placed:
             placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
+            if cp.profile and _devices(value) != set(sharding.device_set):
+                received.append((v, placed[key]))
         return placed[key]
 
     pending = {st.index: list(cp.schedule.runs(st.index)) for st in cp.stages}
@@ -303,14 +312,21 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     needs, readers = cp.needs, cp.readers
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
+    transfers: list[tuple[int, int, int, int, float, float]] = []  # (stage, var, micro-batch, bytes, start, end): RECVs
+    received: list[tuple[int, Any]] = []  # profiled: the tensors the task being fetched gets from another mesh
 
     def ready(s: int, phase: str, mb: int) -> bool:
         return all((ps, pp, mb) in done for ps, pp in needs[(s, phase)])
 
     def execute(s: int, phase: str, mb: int) -> None:
         task = cp.tasks[(s, phase)]
+        received.clear()
+        sent = time.perf_counter()
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
         if cp.profile:  # the record is the RUN alone, as the plan prices it: the puts above (RECVs) have arrived
+            for v, x in received:  # each tensor from another mesh, from its send to its arrival (as a mesh worker's RECV)
+                jax.block_until_ready(x)
+                transfers.append((s, v, mb, graph.vars[v].nbytes, sent - t0, time.perf_counter() - t0))
             jax.block_until_ready(ins)
         t = time.perf_counter()
         outs = task.fn(*ins)
@@ -360,5 +376,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     for stage, phase, mb, start, end in records:
         if mb >= 0:
             per_task[(stage, phase)] += end - start
-    cp.last_timings = {"seconds": time.perf_counter() - t0, "dispatch_seconds": dict(per_task), "records": records}
+    cp.last_timings = {
+        "seconds": time.perf_counter() - t0, "dispatch_seconds": dict(per_task), "records": records, "transfers": transfers
+    }
     return out
