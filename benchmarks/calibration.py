@@ -4,7 +4,9 @@ For the tiny example models it plans once with the V100 preset of ``ClusterSpec.
 with ``ClusterSpec.calibrate`` and once with the profiling cost model (``cost_model="profile"``:
 the stages compiled and timed alone, first run uncached), runs each plan in-process with every
 unit task waited for, and prints each stage's forward and backward predicted / measured
-(medians of 5 steps), 4 micro-batches, 1F1B.
+(medians of 5 steps), 4 micro-batches, 1F1B; and, not counted in the target, a message into each
+stage's mesh (``t``: each tensor from the other mesh, from its send to its arrival) against the
+dashboard's price of it.
 - Simulated CPU devices (the default here): 2 stages on 1x4 sub-meshes of the local 2 x 4 devices.
 - GPUs (run where JAX's default backend is a GPU): every GPU on one host; 2 stages on halves of
   them, or a single-GPU plan (one stage) on one GPU. ``gpt350m`` adds the paper's GPT-350M
@@ -30,6 +32,7 @@ import alpa_lab as al  # first: it gives this process simulated CPU devices  # i
 import jax  # isort: skip
 
 from alpa_lab.models import gpt_config, make_gpt, tiny_example
+from alpa_lab.runtime.monitor import pipeline_parts
 
 
 def example(name: str):
@@ -55,16 +58,23 @@ def ratios(cluster: al.ClusterSpec, name: str, cost_model: str, stages: list, su
     step.use(plan)
     compiled = step.compiled(*ex.args)
     compiled.profile = True
-    state, measured = ex.state, {}
+    state, measured, received = ex.state, {}, {}
     for k in range(7):
         state, _ = step(state, ex.batch)
         if k >= 2:
             for s, phase, _, a, b in compiled.last_timings["records"]:
                 measured.setdefault((s, phase), []).append(b - a)
+            for s, _, _, nbytes, a, b in compiled.last_timings["transfers"]:  # each tensor from the other mesh
+                received.setdefault(s, []).append((nbytes, b - a))
     out = []
     for st in plan.stages:
         out.append((st.index, "forward", st.forward_time, statistics.median(measured[(st.index, "forward")])))
         out.append((st.index, "backward", st.backward_time, statistics.median(measured[(st.index, "backward")])))
+    # a message into each stage's mesh, priced as the dashboard prices it (the median bytes over the link, plus the
+    # per-transfer cost): reported beside the phases, not counted in the target, which is the stages'
+    parts = pipeline_parts(plan, {s: [n for n, _ in v] for s, v in received.items()})
+    for s, v in sorted(received.items()):
+        out.append((s, "transfer", parts[(s, "TRANSFER", "")].seconds(cluster), statistics.median(t for _, t in v)))
     return out
 
 
@@ -97,6 +107,7 @@ def main() -> None:
             if model == "profile":
                 label += f" ({time.perf_counter() - t1:.0f} s)"
             text = "  ".join(f"s{s} {p[0]} {pred * 1e3:.3f}/{meas * 1e3:.3f} ms ({pred / meas:.2f})" for s, p, pred, meas in rows)
+            rows = [r for r in rows if r[1] != "transfer"]
             err = statistics.median(abs(math.log(pred / meas)) for *_, pred, meas in rows)
             print(f"{name:11s} {label:10s} median |log ratio| {err:.2f}  {text}")
             key = label.split()[0]

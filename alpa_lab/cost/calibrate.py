@@ -24,6 +24,9 @@ them at once* (so devices that share cores are measured sharing them), and retur
 
 - ``host_to_device_bandwidth``: a batch-sized host array put on the devices, each device
   receiving its tile (what the planner charges a batch argument every step).
+- ``transfer_overhead``: a small tensor put from one half of the devices onto the other and
+  waited for, less its bytes: the fixed cost of each tensor a stage gets from another mesh in
+  this process (``RayCluster.calibrate`` measures it between mesh workers instead).
 
 The sizes depend on the platform (``_SIZES``): simulated CPU devices are measured at the sizes
 a small model's tensors have (in cache, sharing the host's cores), an accelerator at sizes
@@ -83,7 +86,8 @@ class Calibration:
     """host-to-host transfer (a Ray cluster's, ``RayCluster.calibrate``); None: measured in one process, as intra-host"""
     inter_host_latency: float | None = None
     transfer_overhead: float | None = None
-    """the fixed cost of one cross-mesh message between mesh workers (the transfer's alpha)"""
+    """the fixed cost of one cross-mesh message (the transfer's alpha): between mesh workers (``RayCluster.calibrate``)
+    or between two halves of this process's devices (``calibrate``, as the in-process runtime sends); None: an older file"""
     host_to_device_bandwidth: float | None = None
     """bytes/s of a host array put on the devices, per device's tile (None: not measured, the spec's own kept)"""
     sum_overhead: float | None = None
@@ -317,6 +321,10 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
     host = np.random.default_rng(2).standard_normal((n, h2d_elems), dtype=np.float32)
     h2d = 4 * h2d_elems / _fastest_seconds(lambda: jax.device_put(host, per_device), repeats)
 
+    # per-message cost between meshes: a small tensor put from one half of the devices (a host, on several) onto the
+    # other, as the in-process runtime sends a stage's activation to the next stage's mesh, timed to its arrival
+    transfer_overhead = _transfer_overhead(devices, intra_bw, repeats)
+
     # per-program cost: launching a tiny program on the devices and waiting for it (a unit task's fixed cost)
     tiny = spread((8,))
     bump = jax.jit(lambda y: y + 1.0, out_shardings=per_device)
@@ -344,7 +352,33 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
         host_to_device_bandwidth=float(h2d),
         sum_overhead=float(sum_overhead),
         device_memory=_device_memory(devices),
+        transfer_overhead=transfer_overhead,
     )
+
+
+def _transfer_overhead(devices: list, bandwidth: float, repeats: int) -> float | None:
+    """Seconds one cross-mesh message costs beyond its bytes, between the two halves of ``devices`` (None: fewer
+    than two devices, or an odd count).
+
+    A 1 KiB tile per device, split over the first half of the devices, put onto the second half in the same
+    layout and waited for: what the in-process runtime does with each tensor a stage gets from another mesh
+    (``runtime.pipeline``), less its bytes over the link. Measured: 0.3-0.6 ms a tensor on simulated CPU
+    devices, which the model had priced at its bytes alone (microseconds), so every boundary of an in-process
+    plan was predicted about 100x too fast.
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    if n < 2 or n % 2:
+        return None
+    half = n // 2
+    meshes = [Mesh(np.array(part, dtype=object).reshape(1, half), ("x", "y")) for part in (devices[:half], devices[half:])]
+    src, dst = (NamedSharding(m, PartitionSpec(("x", "y"))) for m in meshes)
+    elems = 256 * half  # 1 KiB of float32 per device
+    x = jax.device_put(np.random.default_rng(4).standard_normal((elems,), dtype=np.float32), src)
+    seconds = _median_seconds(lambda: jax.device_put(x, dst), 20 * repeats)
+    return max(seconds - 4 * 256 / bandwidth, 0.0)
 
 
 def _device_memory(devices: list) -> float | None:

@@ -302,9 +302,10 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         value = step_values[v] if mb < 0 else store[(v, mb)]
         key = (v, mb, stage)
         if key not in placed:
+            sent = time.perf_counter()
             placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
             if cp.profile and _devices(value) != set(sharding.device_set):
-                received.append((v, placed[key]))
+                received.append((v, placed[key], sent))
         return placed[key]
 
     pending = {st.index: list(cp.schedule.runs(st.index)) for st in cp.stages}
@@ -313,7 +314,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
     transfers: list[tuple[int, int, int, int, float, float]] = []  # (stage, var, micro-batch, bytes, start, end): RECVs
-    received: list[tuple[int, Any]] = []  # profiled: the tensors the task being fetched gets from another mesh
+    received: list[tuple[int, Any, float]] = []  # profiled: what the task being fetched gets from another mesh, sent when
 
     def ready(s: int, phase: str, mb: int) -> bool:
         return all((ps, pp, mb) in done for ps, pp in needs[(s, phase)])
@@ -321,10 +322,9 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     def execute(s: int, phase: str, mb: int) -> None:
         task = cp.tasks[(s, phase)]
         received.clear()
-        sent = time.perf_counter()
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
         if cp.profile:  # the record is the RUN alone, as the plan prices it: the puts above (RECVs) have arrived
-            for v, x in received:  # each tensor from another mesh, from its send to its arrival (as a mesh worker's RECV)
+            for v, x, sent in received:  # each tensor from another mesh, from its send to its arrival (a mesh worker's RECV)
                 jax.block_until_ready(x)
                 transfers.append((s, v, mb, graph.vars[v].nbytes, sent - t0, time.perf_counter() - t0))
             jax.block_until_ready(ins)
