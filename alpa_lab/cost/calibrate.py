@@ -362,9 +362,9 @@ def _transfer_overhead(devices: list, bandwidth: float, repeats: int) -> float |
 
     A 1 KiB tile per device, split over the first half of the devices, put onto the second half in the same
     layout and waited for: what the in-process runtime does with each tensor a stage gets from another mesh
-    (``runtime.pipeline``), less its bytes over the link. Measured: 0.3-0.6 ms a tensor on simulated CPU
-    devices, which the model had priced at its bytes alone (microseconds), so every boundary of an in-process
-    plan was predicted about 100x too fast.
+    (``runtime.pipeline``), less its bytes over the link. On simulated CPU devices here it measures 0.13-0.18 ms,
+    and the runtime's own tensors (larger, resharded on the way) 0.3-1 ms; priced at their bytes alone
+    (microseconds), as before this was measured, every boundary of an in-process plan was predicted 100x too fast.
     """
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
