@@ -302,7 +302,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         value = step_values[v] if mb < 0 else store[(v, mb)]
         key = (v, mb, stage)
         if key not in placed:
-            sent = time.perf_counter()
+            sent = time.perf_counter() if cp.profile else 0.0
             placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
             if cp.profile and _devices(value) != set(sharding.device_set):
                 received.append((v, placed[key], sent))
