@@ -172,8 +172,11 @@ def pipelined_steps():
 STAGINGS = {2: [[0, 1], [2, 3]], 4: [[0, 0], [1, 1], [2, 2], [3, 3]]}
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "stages"), [
+    *((name, 2) for name in MODELS),
+    ("mlp", 4), ("gpt", 4),  # MoE's and Wide-ResNet's four stages (13-19 s each here) run with `make test-slow`
+    *(pytest.param(name, 4, marks=pytest.mark.slow) for name in ("wide_resnet", "moe")),
+])
 def test_pipelined_training_equals_unpipelined(name, stages, pipelined_steps, references):
     ex = tiny_example(name)
     step = pipelined_steps[name]

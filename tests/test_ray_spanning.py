@@ -36,7 +36,7 @@ def cluster():
     assert not left, f"Ray processes left running after shutdown: {left}"
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("gpt", marks=pytest.mark.slow)])  # gpt: 42 s here, `make test-slow`
 def test_two_meshes_each_spanning_two_hosts_train_like_the_reference(name, cluster, references):
     ex = tiny_example(name)
     step = al.parallelize(ex.train_step, cluster=cluster.spec, microbatches=MICROBATCHES, layers=4)

@@ -83,7 +83,7 @@ def _fake_timer(problem, stages, schedule) -> dict:
     return {(st.index, phase): 1e-3 * (st.index + 1) for st in stages for phase in ("forward", "backward", "apply")}
 
 
-@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("pinned", [pytest.param(False, marks=pytest.mark.slow), True])  # True covers more; each ~45 s here
 def test_profile_cost_model_keeps_its_stage_timer(gpt, pinned):
     step = _gpt_step(gpt)
     step._stage_timer = lambda split: _fake_timer  # what cost_model="profile" passes, without timing on devices
