@@ -89,10 +89,11 @@ def test_launch_runs_in_the_background_and_the_dashboard_shows_the_run(mlp):
     assert set(predicted) <= set(rows)
     for d, b in predicted.items():
         assert rows[d].predicted == b and rows[d].measured >= held.get(d, 0) and rows[d].source == "live buffers"
-    # links: the plan's unit tasks per mesh pair (not counted by the in-process runtime)
+    # links: the plan's unit tasks per mesh pair, and what the last step counted landing there (the same bytes)
     tr = views.traffic(plan)
     assert {(ln.sender, ln.receiver): ln.predicted for ln in s.links} == {c: tr.mesh_bytes[c[0]][c[1]] for c in tr.cells}
-    assert all(ln.measured is None for ln in s.links)
+    assert {(ln.sender, ln.receiver): ln.measured for ln in s.links} == dict(steps[-1].link_bytes)
+    assert all(ln.measured == ln.predicted > 0 for ln in s.links)
     # transfers: each tensor a mesh got from the other, every micro-batch, timed from its send to its arrival (as a
     # mesh worker's RECV); oracle: the plan's cross-mesh transfers (passes.transfers) of the micro-batch phases
     window_recvs = [b for b in s.bars if b.kind == "TRANSFER"]

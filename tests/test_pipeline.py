@@ -555,3 +555,30 @@ def test_a_profiled_run_times_each_unit_task_from_its_inputs_arrival():
     assert len(calls) >= 12 and any(key == (1, FORWARD) for key, _ in calls)
     assert [key for key, ready in calls if not ready] == []
     assert len(compiled.last_timings["records"]) >= 8
+
+
+@pytest.mark.parametrize(("name", "stages", "schedule"), [
+    ("gpt", 2, "1f1b"), ("moe", 2, "1f1b"), ("wide_resnet", 2, "1f1b"), ("mlp", 4, "gpipe"),
+])
+def test_a_profiled_steps_bytes_between_stages_are_the_plans_unit_tasks(name, stages, schedule, pipelined_steps):
+    """What a profiled step counts landing on each stage's devices from another stage's (each receiving device's
+    shard, read from the arrays) against the plan's cross-mesh unit tasks (``passes.transfers``, what the Traffic
+    view and the dashboard's link rows predict): equal, byte for byte, per (sender, receiver) stage pair. The
+    second step counts the state leaves the first step's update made on another stage's mesh (GPT's tied
+    embedding) too; the first one's state came from the caller."""
+    from alpa_lab.passes.transfers import pipeline_transfers, stage_traffic
+
+    ex = tiny_example(name)
+    step = pipelined_steps[name]
+    plan = step.current_plan.pin_stages(STAGINGS[stages]).with_schedule(schedule)
+    step.use(plan)
+    compiled = step.compiled(*ex.args)
+    compiled.profile = True
+    try:
+        state = ex.state
+        for _ in range(2):
+            state, _ = step(state, ex.batch)
+    finally:
+        compiled.profile = False
+    predicted = stage_traffic(pipeline_transfers(plan), plan.num_microbatches)
+    assert compiled.last_timings["link_bytes"] == predicted and len(predicted) >= 2 * (stages - 1)

@@ -61,7 +61,8 @@ class LinkLine:
     sender: int
     receiver: int
     measured: int | None
-    """None where the runtime does not count bytes (the in-process runtime moves tensors with device_put)"""
+    """None where no step was counted yet (a Ray worker's received tiles; in this process, each receiving device's
+    shard of what a profiled step moved between meshes)"""
     predicted: int
 
 
@@ -119,8 +120,11 @@ def dashboard_state(run: Any, snap: MonitorSnapshot | None = None) -> DashboardS
         keys = sorted(set(predicted) | set(measured))
         links = tuple(LinkLine(a, b, measured.get((a, b), 0), predicted.get((a, b), 0)) for a, b in keys)
     elif isinstance(plan, PipelinePlan):
-        tr = views.traffic(plan)
-        links = tuple(LinkLine(a, b, None, int(tr.mesh_bytes[a][b])) for a, b in tr.cells)
+        tr = views.traffic(plan)  # measured: the bytes a profiled in-process step counted landing (None before one)
+        measured = dict(snap.recent[-1].link_bytes) if snap.recent and snap.recent[-1].link_bytes else None
+        keys = sorted(set(tr.cells) | set(measured or {}))
+        links = tuple(LinkLine(a, b, None if measured is None else measured.get((a, b), 0), int(tr.mesh_bytes[a][b]))
+                      for a, b in keys)
     else:
         links = ()
     try:

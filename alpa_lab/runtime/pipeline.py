@@ -78,7 +78,9 @@ class CompiledPipeline:
     """the PipelinePlan this was compiled from (set by ``ParallelizedStep``)."""
     last_timings: dict[str, Any] = field(default_factory=dict)
     """the last call's seconds, per-task dispatch seconds, (stage, phase, micro-batch, start, end) records and, when
-    profiled, (stage, var, micro-batch, bytes, start, end) transfers: each tensor a stage got from another mesh."""
+    profiled, (stage, var, micro-batch, bytes, start, end) transfers: each tensor a stage got from another mesh, and
+    ``link_bytes``: (sending stage, receiving stage) -> the bytes that landed on the receiving stage's devices in the
+    step (each device's shard, counted from the arrays: what the Traffic view predicts from the unit tasks)."""
     profile: bool = False
     """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
     or transfer times."""
@@ -298,6 +300,9 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
             key = (v, -1, stage)
             if key not in placed:
                 placed[key] = put(args[v], sharding)
+                src = state_from.get(v)  # profiled: a state leaf the last step's update made on another mesh
+                if src is not None and _devices(args[v]) == set(cp.meshes[src].devices.flat) != set(sharding.device_set):
+                    land(src, stage, placed[key])
             return placed[key]
         value = step_values[v] if mb < 0 else store[(v, mb)]
         key = (v, mb, stage)
@@ -306,7 +311,12 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
             placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
             if cp.profile and _devices(value) != set(sharding.device_set):
                 received.append((v, placed[key], sent))
+                land(made_by[v], stage, placed[key])
         return placed[key]
+
+    def land(src: int, dst: int, x: Any) -> None:
+        """Count the bytes that landed on ``dst``'s devices, from the array itself (each device's shard)."""
+        link_bytes[(src, dst)] = link_bytes.get((src, dst), 0) + sum(sh.data.nbytes for sh in x.addressable_shards)
 
     pending = {st.index: list(cp.schedule.runs(st.index)) for st in cp.stages}
     done: set[tuple[int, str, int]] = set()
@@ -315,6 +325,10 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
     transfers: list[tuple[int, int, int, int, float, float]] = []  # (stage, var, micro-batch, bytes, start, end): RECVs
     received: list[tuple[int, Any, float]] = []  # profiled: what the task being fetched gets from another mesh, sent when
+    link_bytes: dict[tuple[int, int], int] = {}  # profiled: (sending stage, receiving stage) -> bytes received this step
+    # profiled: the stage making each tensor, and each state leaf's new value (the link its bytes come over)
+    made_by = {v: task.stage for task in (*cp.tasks.values(), *cp.update) for v in task.outvars} if cp.profile else {}
+    state_from = {v: made_by[o] for o, v in graph.state_carries() if o in made_by}
 
     def ready(s: int, phase: str, mb: int) -> bool:
         return all((ps, pp, mb) in done for ps, pp in needs[(s, phase)])
@@ -377,6 +391,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         if mb >= 0:
             per_task[(stage, phase)] += end - start
     cp.last_timings = {
-        "seconds": time.perf_counter() - t0, "dispatch_seconds": dict(per_task), "records": records, "transfers": transfers
+        "seconds": time.perf_counter() - t0, "dispatch_seconds": dict(per_task), "records": records, "transfers": transfers,
+        "link_bytes": link_bytes,
     }
     return out

@@ -299,7 +299,8 @@ class TrainingRun:
                     self.result = res
                     self.state, self.state_step = self._update(res), i + 1
                     events = _process_events(compiled, self.plan, i, start, seconds)
-                    links = {}
+                    # a profiled pipeline counts what landed on each stage's devices from another's
+                    links = dict(compiled.last_timings.get("link_bytes", {})) if isinstance(compiled, CompiledPipeline) else {}
                 mon.add_events(events)
                 mon.add_step(StepRecord(i, start, seconds, _loss(out), _samples(batch), self._flops, links))
                 if time.monotonic() - last_memory >= self._memory_every or i == self.steps - 1:
