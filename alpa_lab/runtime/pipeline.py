@@ -328,7 +328,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     link_bytes: dict[tuple[int, int], int] = {}  # profiled: (sending stage, receiving stage) -> bytes received this step
     # profiled: the stage making each tensor, and each state leaf's new value (the link its bytes come over)
     made_by = {v: task.stage for task in (*cp.tasks.values(), *cp.update) for v in task.outvars} if cp.profile else {}
-    state_from = {v: made_by[o] for o, v in graph.state_carries() if o in made_by}
+    state_from = {v: made_by[o] for o, v in graph.state_carries() if o in made_by} if cp.profile else {}
 
     def ready(s: int, phase: str, mb: int) -> bool:
         return all((ps, pp, mb) in done for ps, pp in needs[(s, phase)])
