@@ -16,6 +16,7 @@ over the batch is the full batch's gradient.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -87,6 +88,17 @@ class CompiledPipeline:
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
+
+    @functools.cached_property
+    def stage_of_tensor(self) -> dict[int, int]:
+        """Tensor -> the stage whose unit task (or update piece) makes it: where a profiled transfer comes from."""
+        return {v: task.stage for task in (*self.tasks.values(), *self.update) for v in task.outvars}
+
+    @functools.cached_property
+    def state_sources(self) -> dict[int, int]:
+        """State argument -> the stage whose update makes its next value (read there next step)."""
+        made = self.stage_of_tensor
+        return {v: made[o] for o, v in self.graph.state_carries() if o in made}
 
     def task_hlo(self) -> dict[tuple[int, str], str]:
         """XLA's optimised HLO of every unit task, (stage, phase) -> text (the update's pieces as (stage, "apply"),
@@ -300,7 +312,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
             key = (v, -1, stage)
             if key not in placed:
                 placed[key] = put(args[v], sharding)
-                src = state_from.get(v)  # profiled: a state leaf the last step's update made on another mesh
+                src = cp.state_sources.get(v) if cp.profile else None  # a state leaf last made on another mesh
                 if src is not None and _devices(args[v]) == set(cp.meshes[src].devices.flat) != set(sharding.device_set):
                     land(src, stage, placed[key])
             return placed[key]
@@ -311,7 +323,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
             placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
             if cp.profile and _devices(value) != set(sharding.device_set):
                 received.append((v, placed[key], sent))
-                land(made_by[v], stage, placed[key])
+                land(cp.stage_of_tensor[v], stage, placed[key])
         return placed[key]
 
     def land(src: int, dst: int, x: Any) -> None:
@@ -326,9 +338,6 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     transfers: list[tuple[int, int, int, int, float, float]] = []  # (stage, var, micro-batch, bytes, start, end): RECVs
     received: list[tuple[int, Any, float]] = []  # profiled: what the task being fetched gets from another mesh, sent when
     link_bytes: dict[tuple[int, int], int] = {}  # profiled: (sending stage, receiving stage) -> bytes received this step
-    # profiled: the stage making each tensor, and each state leaf's new value (the link its bytes come over)
-    made_by = {v: task.stage for task in (*cp.tasks.values(), *cp.update) for v in task.outvars} if cp.profile else {}
-    state_from = {v: made_by[o] for o, v in graph.state_carries() if o in made_by} if cp.profile else {}
 
     def ready(s: int, phase: str, mb: int) -> bool:
         return all((ps, pp, mb) in done for ps, pp in needs[(s, phase)])

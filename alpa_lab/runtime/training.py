@@ -317,15 +317,14 @@ def _process_events(compiled: Any, plan: Any, step: int, start: float, seconds: 
 
     if isinstance(compiled, CompiledPipeline):
         mesh_of = {st.index: compiled.schedule.mesh(st.index) for st in compiled.stages}
-        made_on = {v: mesh_of[task.stage] for task in compiled.tasks.values() for v in task.outvars}
-        made_on.update({v: mesh_of[task.stage] for task in compiled.update for v in task.outvars})
         runs = [
             Event(mesh_of[s], mesh_of[s], s, "run", phase, mb, step, start + a, start + b)
             for s, phase, mb, a, b in compiled.last_timings.get("records", ())
         ]
         # each tensor a mesh got from another, as a mesh worker records its RECV (the worker is the mesh here)
         recvs = [
-            Event(mesh_of[s], mesh_of[s], -1, "recv", "", mb, step, start + a, start + b, nbytes, made_on.get(v, -1), v)
+            Event(mesh_of[s], mesh_of[s], -1, "recv", "", mb, step, start + a, start + b, nbytes,
+                  mesh_of.get(compiled.stage_of_tensor.get(v), -1), v)
             for s, v, mb, nbytes, a, b in compiled.last_timings.get("transfers", ())
         ]
         return runs + recvs
