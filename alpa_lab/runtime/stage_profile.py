@@ -5,7 +5,12 @@ stages the planner chose are compiled exactly as the runtime will run them
 (``runtime.pipeline.compile_pipeline``: the same unit tasks, shardings and sub-meshes), fed
 zeros of the right shapes, and timed (the median of a few runs after a warm-up); a stage's
 forward, backward (for zero-bubble schedules B and W) and update times replace the analytic
-ones, and the schedule is simulated again with them. Timings are cached on disk (under
+ones, and the schedule is simulated again with them. A unit task is timed as the runtime's RUN
+instruction runs it: its program, then the program that adds the tensors it makes every
+micro-batch into their sums (``runtime.accumulate``; for the tiny GPT's backward on simulated
+CPU devices, half as long again as the backward program). The tasks are timed in turns, one
+run of each per round, so that each run follows another program, as in a pipeline, not a run
+of itself with the devices' threads still warm. Timings are cached on disk (under
 ``$ALPA_LAB_CACHE`` or ~/.cache/alpa_lab), keyed by the unit task's lowered program (which
 holds the shardings and the mesh shape) and the hardware and software that timed it (platform,
 device kind and count, the CPU for simulated devices, the jax and jaxlib versions:
@@ -154,42 +159,77 @@ def _example(var: Any) -> Any:
     return np.zeros(var.shape, dtype=var.dtype)
 
 
-def _time_task(task: Any, graph: Any, repeats: int, cache: dict[str, float], hardware: str) -> tuple[float, bool]:
-    """Median seconds of one unit task on its mesh, and whether it came from the cache.
+TIMING = "run+sums/2"
+"""what a cached timing is of, in its key: a timing taken another way (the program alone, back to back) is not reused"""
 
-    ``hardware``: the ``hardware_key`` of the process's devices; the task's own mesh (its device count) is in
+
+class _Timed:
+    """One unit task made ready to time as a RUN instruction: its example inputs, and its sums' starting values."""
+
+    def __init__(self, task: Any, graph: Any, accumulated: frozenset[int]):
+        self.task = task
+        self.args = [jax.device_put(_example(graph.vars[v]), sh) for v, sh in zip(task.invars, task.in_shardings)]
+        self.summed = [i for i, v in enumerate(task.outvars) if v in accumulated]
+        self.dtypes = {task.outvars[i]: graph.vars[task.outvars[i]].dtype for i in self.summed}
+        self.sums: dict[int, Any] = {}
+
+    def key(self, hardware: str) -> str:
+        """The cache key: the lowered program (shardings and mesh shape in it), its mesh's size, what it sums, the hardware."""
+        task = self.task
+        text = task.fn.lower(*self.args).as_text() if hasattr(task.fn, "lower") else repr(task)
+        mesh_devices = len({d for sh in task.in_shardings for d in getattr(sh, "device_set", ())})
+        sums = ",".join(str(self.dtypes[task.outvars[i]]) for i in self.summed)
+        return hashlib.sha256(f"{hardware}\n{TIMING}\nmesh_devices={mesh_devices}\nsums={sums}\n{text}".encode()).hexdigest()
+
+    def run(self) -> float:
+        """Seconds of the program and its sums (``accumulate``, as ``runtime.pipeline`` runs them), to the last result."""
+        from alpa_lab.runtime.accumulate import accumulate
+
+        t0 = time.perf_counter()
+        outs = self.task.fn(*self.args)
+        if self.summed:
+            accumulate(self.sums, [(self.task.outvars[i], outs[i]) for i in self.summed], self.dtypes)
+        jax.block_until_ready((outs, list(self.sums.values())))
+        return time.perf_counter() - t0
+
+
+def _time_tasks(tasks: Sequence[Any], graph: Any, accumulated: frozenset[int], repeats: int, cache: dict[str, float],
+                hardware: str) -> list[float]:
+    """Median seconds of each unit task's RUN on its mesh (cached ones from ``cache``), the uncached timed in turns.
+
+    ``hardware``: the ``hardware_key`` of the process's devices; each task's own mesh (its device count) is in
     its lowered program and added to the key here too.
     """
-    args = [jax.device_put(_example(graph.vars[v]), sh) for v, sh in zip(task.invars, task.in_shardings)]
-    text = task.fn.lower(*args).as_text() if hasattr(task.fn, "lower") else repr(task)
-    mesh_devices = len({d for sh in task.in_shardings for d in getattr(sh, "device_set", ())})
-    key = hashlib.sha256(f"{hardware}\nmesh_devices={mesh_devices}\n{text}".encode()).hexdigest()
-    if key in cache:
-        return cache[key], True
-    jax.block_until_ready(task.fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(task.fn(*args))
-        times.append(time.perf_counter() - t0)
-    cache[key] = statistics.median(times)
-    return cache[key], False
+    timed = [_Timed(task, graph, accumulated) for task in tasks]
+    keys = [t.key(hardware) for t in timed]
+    todo = [i for i, k in enumerate(keys) if k not in cache]
+    for i in todo:  # compile, warm up, and make the sums a later run adds into (the runtime's steady state)
+        timed[i].run()
+        timed[i].run()
+    seconds: dict[int, list[float]] = {i: [] for i in todo}
+    for _ in range(repeats):  # in turns: each run follows another task's, not a run of itself
+        for i in todo:
+            seconds[i].append(timed[i].run())
+    for i in todo:
+        cache[keys[i]] = statistics.median(seconds[i])
+    return [cache[k] for k in keys]
 
 
 def time_stages(compiled: Any, repeats: int = REPEATS, cache_path: Path | None = None) -> dict[tuple[int, str], float]:
-    """(stage, phase) -> measured seconds of each unit task of a compiled pipeline (the update: its pieces summed)."""
+    """(stage, phase) -> measured seconds of each unit task of a compiled pipeline, as the runtime's RUN
+    instruction runs it (with its sums); the update: its pieces summed."""
     from alpa_lab.passes.stages import APPLY
 
     path = cache_path or profile_cache_path()
     cache = _load_cache(path)
     before = dict(cache)
     devices = hardware_key(list({d.id: d for m in compiled.meshes for d in m.devices.flat}.values()))
-    out: dict[tuple[int, str], float] = {}
-    for key, task in compiled.tasks.items():
-        if task.invars or task.outvars:
-            out[key] = _time_task(task, compiled.graph, repeats, cache, devices)[0]
-    for task in compiled.update:
-        out[(task.stage, APPLY)] = out.get((task.stage, APPLY), 0.0) + _time_task(task, compiled.graph, repeats, cache, devices)[0]
+    runs = [(key, task) for key, task in compiled.tasks.items() if task.invars or task.outvars]
+    accumulated = frozenset(compiled.slicing.accumulated)
+    found = _time_tasks([task for _, task in runs] + list(compiled.update), compiled.graph, accumulated, repeats, cache, devices)
+    out: dict[tuple[int, str], float] = dict(zip((key for key, _ in runs), found))
+    for task, seconds in zip(compiled.update, found[len(runs):]):  # an update sums nothing: the sums are its inputs
+        out[(task.stage, APPLY)] = out.get((task.stage, APPLY), 0.0) + seconds
     new = {k: v for k, v in cache.items() if k not in before}
     if new:
         _store(path, new)
