@@ -428,7 +428,7 @@ class ParallelizedStep:
         self.mesh_shape = mesh_shape
         self.method = method
         self.batch_mesh_axis: int | None = batch_mesh_axis
-        """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): single-mesh plans only"""
+        """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): the plan's mesh, or every stage's"""
         self.memory_budget = memory_budget
         self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
@@ -593,6 +593,8 @@ class ParallelizedStep:
             batch_vars=self._named_split(args, graph, split),
             logical_meshes=self.logical_meshes,
             fixed=None if self.stage_option is None else self.stage_option.assign,
+            batch_mesh_axis=self.batch_mesh_axis,
+            stage_axes=getattr(self.stage_option, "batch_axes", None),
         )
         with self._cache_lock:
             _keep(self._problems, graph.fingerprint, problem)

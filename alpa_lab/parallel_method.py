@@ -15,22 +15,22 @@ Alpa's alpha-beta numbers). What Alpa does that this planner does not (an infere
 fine-grained remat, a profiling database, devices other than the first ones JAX lists, options
 that forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
 thresholds, ``eps``) are accepted and change nothing, as each class says (``force_batch_dim_to_mesh_dim``
-is honoured on one mesh, a hint in a pipeline's stages). Alpa's defaults are kept because code relies on them: ``PipeshardParallel`` cuts 2
-layers and, without ``stage_option``, places stages uniformly (one stage per layer on equal
+is honoured on one mesh and in a pipeline's planned stages). Alpa's defaults are kept because code relies on
+them: ``PipeshardParallel`` cuts 2 layers and, without ``stage_option``, places stages uniformly (one stage per layer on equal
 sub-meshes, each viewed as its own shape: ``UniformStageOption``), not by the stage DP
 (``stage_option="auto"``, over ``"power_of_two"`` sub-meshes with ``"single_node_model_parallel"``
 logical meshes); ``layer_option="manual"`` cuts only at ``mark_pipeline_boundary()``.
 
 Pure data: nothing here plans; ``api.parallelize`` reads ``options()`` and the stage options
 give ``passes.pipeline.plan_pipeline`` its fixed stages (``assign``, sharing ``passes.submesh.even_submesh``
-with ``fixed_stages``' default split).
+with ``fixed_stages``' default split) and their forced batch axes (``batch_axes``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -70,7 +70,9 @@ class AutoShardingOption:
     ``force_batch_dim_to_mesh_dim`` is honoured for a single-mesh plan (``ShardParallel``): every op making a
     tensor with a batch dimension keeps it split over that mesh axis alone (``passes.methods.batch_dims``; a
     pinned op, or one with no such strategy, excepted), and grids where that axis has one device are not tried
-    unless ``devices`` gives one; in a pipeline's stages it is a hint, as Alpa's stage DP writes it.
+    unless ``devices`` gives one. In a pipeline (``PipeshardParallel``'s ``default_auto_sharding_option``, a
+    ``ManualStageOption``'s per-stage dicts) each stage's plan keeps it so on that stage's logical mesh; the
+    stage DP prices the layers without it.
     ``force_data_parallel`` keeps the batch split over every device, and takes precedence over it.
     Those that only tune Alpa's own solver or its collective combiners (the thresholds, ``prefer_reduce_scatter``
     without ``force_data_parallel``) are accepted and change nothing; those that forbid strategies are refused."""
@@ -201,7 +203,8 @@ class AutoStageOption:
 class ManualStageOption:
     """Stages as you give them: each stage's layer ids (in order, covering every layer once), its sub-mesh,
     its logical mesh (default, as Alpa: the sub-mesh's own shape). The per-stage auto-sharding dicts may hold
-    only ``force_batch_dim_to_mesh_dim`` (as Alpa's stage DP writes them), a hint the ILP does not need."""
+    only ``force_batch_dim_to_mesh_dim`` (as Alpa's stage DP writes them): that stage keeps its batch split over
+    that mesh axis (``AutoShardingOption``), over the method's default; ``{}`` leaves the stage to the default."""
 
     forward_stage_layer_ids: Sequence[Sequence[int]]
     submesh_physical_shapes: Sequence[Sequence[int]]
@@ -214,8 +217,15 @@ class ManualStageOption:
             raise MethodOptionError(f"ManualStageOption: {n} stages but {len(self.submesh_physical_shapes)} sub-mesh shapes")
         if self.submesh_logical_shapes is not None and len(self.submesh_logical_shapes) != n:
             raise MethodOptionError(f"ManualStageOption: {n} stages but {len(self.submesh_logical_shapes)} logical mesh shapes")
-        for d in self.submesh_autosharding_option_dicts or ():
+        dicts = self.submesh_autosharding_option_dicts
+        if dicts is not None and len(dicts) != n:
+            raise MethodOptionError(f"ManualStageOption: {n} stages but {len(dicts)} submesh_autosharding_option_dicts")
+        for d in dicts or ():
             _check_option_dict(d)
+
+    def batch_axes(self, num_stages: int) -> list[int | None]:
+        """Per stage, the mesh axis its dict forces the batch onto (-1: not forced); None: the method's default."""
+        return [_dict_axis(d) for d in self.submesh_autosharding_option_dicts or [{}] * num_stages]
 
     def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
         """([first, last] layers, sub-mesh, logical mesh) per stage, as ``plan_pipeline(fixed=...)`` takes them."""
@@ -280,6 +290,10 @@ class UniformStageOption:
         logical = shape if self.submesh_logical_shape is None else tuple(self.submesh_logical_shape)
         return ranges, [shape] * stages, [logical] * stages
 
+    def batch_axes(self, num_stages: int) -> list[int | None]:
+        """Every stage's forced batch axis from ``submesh_autosharding_option`` (None: the method's default)."""
+        return [_dict_axis(self.submesh_autosharding_option or {})] * num_stages
+
 
 def balanced_ranges(costs: Sequence[float], parts: int) -> list[list[int]]:
     """``costs`` cut into ``parts`` contiguous non-empty [first, last] ranges whose largest sum is least (a DP)."""
@@ -305,15 +319,36 @@ def balanced_ranges(costs: Sequence[float], parts: int) -> list[list[int]]:
 
 def _check_option_dict(d: Any) -> None:
     """A per-stage auto-sharding dict of Alpa's (``{}`` or ``{"force_batch_dim_to_mesh_dim": 0}`` as its DP writes
-    them): that hint is accepted (the ILP chooses every stage's sharding itself); anything else is refused, so
-    no per-stage method is silently dropped."""
+    them): the forced batch axis is honoured for that stage; anything else is refused, so no per-stage method is
+    silently dropped."""
     if not isinstance(d, dict):
         raise MethodOptionError(f"a stage's auto-sharding option must be a dict, got {d!r}")
     other = sorted(set(d) - {"force_batch_dim_to_mesh_dim"})
     if other:
         raise MethodOptionError(
-            f"per-stage auto-sharding option(s) {other} are not supported (only force_batch_dim_to_mesh_dim, a hint): "
+            f"per-stage auto-sharding option(s) {other} are not supported (only force_batch_dim_to_mesh_dim): "
             "choose one method for every stage with default_auto_sharding_option, or pin a stage's ops on the plan")
+    _dict_axis(d)
+
+
+def _dict_axis(d: Mapping[str, Any]) -> int | None:
+    """A per-stage dict's forced batch axis: 0 or 1, -1 where it says "not forced" (Alpa's -1 or None), None without
+    the key (the method's default applies)."""
+    if "force_batch_dim_to_mesh_dim" not in d:
+        return None
+    return _mesh_axis_option(d["force_batch_dim_to_mesh_dim"], "a stage's force_batch_dim_to_mesh_dim")
+
+
+_FORCE_OPTION = "AutoShardingOption(force_batch_dim_to_mesh_dim=...)"
+
+
+def _mesh_axis_option(axis: Any, what: str) -> int:
+    """Alpa's ``force_batch_dim_to_mesh_dim`` value: 0 or 1, or -1 (also for None): not forced."""
+    if axis is None:
+        return -1
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis not in (-1, 0, 1):
+        raise MethodOptionError(f"{what} must be a mesh axis, 0 or 1 (or -1: not forced), got {axis!r}")
+    return int(axis)
 
 
 # ----- methods ---------------------------------------------------------------------------------
@@ -486,16 +521,9 @@ class ShardParallel(ParallelMethod):
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
         out.update(_mesh_options(self.devices, type(self).__name__))
-        axis = self.auto_sharding_option.force_batch_dim_to_mesh_dim
-        if axis is not None and axis != -1:  # Alpa's -1: not forced
-            if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis not in (0, 1):
-                raise MethodOptionError(f"AutoShardingOption(force_batch_dim_to_mesh_dim=...) must be a mesh axis, 0 or 1, got {axis!r}")
-        if axis is not None and axis != -1 and out["method"] == "alpa":  # force_data_parallel / ZeRO: the batch over every device
-            if self.num_micro_batches is not None and self.num_micro_batches != 1:
-                raise MethodOptionError(
-                    "AutoShardingOption(force_batch_dim_to_mesh_dim=...) applies to a single-mesh plan; with num_micro_batches "
-                    "the step is planned as a pipeline stage: drop one of them")
-            out["batch_mesh_axis"] = int(axis)
+        axis = _mesh_axis_option(self.auto_sharding_option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
+        if axis != -1 and out["method"] == "alpa":  # force_data_parallel / ZeRO: the batch over every device
+            out["batch_mesh_axis"] = axis
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
             if "mesh_shape" in out:
                 raise MethodOptionError(
@@ -563,11 +591,15 @@ class PipeshardParallel(ParallelMethod):
             raise MethodOptionError(
                 "pipeline_schedule='inference' is not supported: this planner plans training steps (a forward, a "
                 "backward and an update); choose '1f1b' or 'gpipe'")
+        option = self.default_auto_sharding_option or AutoShardingOption(prefer_reduce_scatter=True)
         out: dict[str, Any] = {
-            "method": (self.default_auto_sharding_option or AutoShardingOption(prefer_reduce_scatter=True)).method_name(),
+            "method": option.method_name(),
             "microbatches": self.num_micro_batches,
             "schedule": self.pipeline_schedule,
         }
+        axis = _mesh_axis_option(option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
+        if axis != -1 and out["method"] == "alpa":  # every stage keeps its batch split over that axis (a stage's dict may differ)
+            out["batch_mesh_axis"] = axis
         layer = self.layer_option
         if layer is None:
             layer = AutoLayerOption(layer_num=2)
@@ -625,6 +657,9 @@ class _WholeCluster:
 
         c = problem.cluster
         return [[0, problem.slicing.num_layers - 1]], [even_submesh(c.hosts, c.devices_per_host, 1)], None
+
+    def batch_axes(self, num_stages: int) -> list[int | None]:
+        return [None] * num_stages
 
 
 _WHOLE_CLUSTER = _WholeCluster()

@@ -29,7 +29,7 @@ from alpa_lab.parallel_method import MethodOptionError
 LAYERS = 6
 
 
-def run_mlp(batch: int, hidden: int, method: al.ShardParallel, atol: float = 1e-4):
+def run_mlp(batch: int, hidden: int, method: al.ShardParallel, atol: float = 1e-4, grad=jax.grad):
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -42,7 +42,7 @@ def run_mlp(batch: int, hidden: int, method: al.ShardParallel, atol: float = 1e-
             out = state.apply_fn(params, batch["x"])
             return jnp.mean((out - batch["y"]) ** 2)
 
-        grads = jax.grad(loss_func)(state.params)
+        grads = grad(loss_func)(state.params)
         return state.apply_gradients(grads=grads)
 
     x = jax.random.normal(jax.random.PRNGKey(1), (batch, hidden))
@@ -254,17 +254,29 @@ def test_force_batch_dim_to_mesh_dim_chooses_a_grid_where_that_axis_splits():
     assert set(batch_splits(step).values()) == {(0,)}
 
 
+def test_force_batch_dim_to_mesh_dim_with_gradient_accumulation():
+    """``ShardParallel(num_micro_batches=2)`` plans the step as one pipeline stage on every device: the forced axis
+    holds there too (each micro-batch's batch split over axis 0 of the stage's mesh), with jax.jit's numerics."""
+    option = al.AutoShardingOption(force_batch_dim_to_mesh_dim=0)
+    *_, step = run_mlp(32, 256, al.ShardParallel(num_micro_batches=2, auto_sharding_option=option), atol=5e-4, grad=al.grad)
+    (stage,) = step.current_plan.stages
+    assert stage.plan.batch_mesh_axis == 0 and stage.logical_shape[0] > 1
+    sg = stage.plan.problem
+    x = next(v for v, k in sg.argument_kinds.items() if k == "data" and sg.var_info[v][0] == (16, 256))
+    spec = next(i.spec for i, v in zip(stage.plan.inputs, sg.invars) if v == x)
+    assert al.ShardingSpec.parse(spec).dims[0] == (0,), spec
+
+
 def batch_splits_of(plan, step):
     step.use(plan)
     return batch_splits(step)
 
 
 def test_force_batch_dim_to_mesh_dim_refuses_what_it_cannot_do():
-    with pytest.raises(MethodOptionError, match="must be a mesh axis, 0 or 1, got 2"):
+    with pytest.raises(MethodOptionError, match=r"must be a mesh axis, 0 or 1 \(or -1: not forced\), got 2"):
         al.parallelize(lambda x: x, method=al.ShardParallel(auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=2)))
-    with pytest.raises(MethodOptionError, match="single-mesh plan; with num_micro_batches"):
-        al.parallelize(lambda x: x, method=al.ShardParallel(
-            num_micro_batches=2, auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=0)))
+    with pytest.raises(MethodOptionError, match="must be a mesh axis, 0 or 1 .*, got True"):
+        al.parallelize(lambda x: x, method=al.ShardParallel(auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=True)))
     step = al.parallelize(lambda w, x: (x @ w).sum(), method=al.ShardParallel(
         devices=logical_mesh((4, 1)), auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=0)))
     with pytest.raises(al.MethodError, match="cannot split the batch argument .* over mesh axis 0 .* must divide by it"):

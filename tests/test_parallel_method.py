@@ -21,7 +21,7 @@ from flax.training import train_state
 
 import alpa_lab as al
 from alpa_lab.models import tiny_example
-from alpa_lab.parallel_method import balanced_ranges
+from alpa_lab.parallel_method import MethodOptionError, balanced_ranges
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -198,6 +198,71 @@ def test_manual_stages_are_placed_as_given(cluster, tmp_path):
     fresh.use(al.PipelinePlan.load(tmp_path / "manual.plan.json"), state, batch)
     assert stages_of(fresh.current_plan) == stages_of(plan)
     same_params(fresh(state, batch), jax.jit(plain)(state, batch))
+
+
+def stage_batch_splits(stage, microbatch: int) -> dict[str, tuple]:
+    """Per op of a stage's plan making a tensor with a batch dimension (``batch_dims`` from the stage's batch
+    arguments: its data, or the activations it receives), the mesh axes its chosen strategy splits that dimension over."""
+    from alpa_lab.passes.methods import batch_dims
+
+    sg = stage.plan.problem
+    known = {v: 0 for v, k in sg.argument_kinds.items() if k in ("data", "activation") and sg.var_info[v][0][:1] == (microbatch,)}
+    chosen = {o.name: o.strategy for o in stage.plan.ops}
+    out = {}
+    for v, d in batch_dims(sg, known, (0,)).items():
+        n, pos = sg.node_of_var[v]
+        node = sg.nodes[n]
+        if node.op_index is not None:
+            out[node.name] = node.strategies[node.strategy_index(chosen[node.name])].output_specs[pos].dims[d]
+    return out
+
+
+def test_each_stage_keeps_its_batch_on_the_axis_its_option_forces(cluster, tmp_path):
+    """Alpa's per-stage ``{"force_batch_dim_to_mesh_dim": axis}`` (``ManualStageOption``) and the method's
+    ``default_auto_sharding_option``: each stage's plan splits the batch dimension of every tensor carrying it over
+    that axis of its 2x2 logical mesh, and keeps doing so on a re-plan and through the plan's JSON. Oracles: the
+    batch-dimension analysis on each stage's chosen strategies; the unforced plan (which chooses otherwise in at
+    least one stage, so the check can fail); jax.jit's numerics."""
+    train_step, plain, state, batch = boundaried()
+    stages = dict(forward_stage_layer_ids=[[0, 1], [2, 3]], submesh_physical_shapes=[(1, 4), (1, 4)],
+                  submesh_logical_shapes=[(2, 2), (2, 2)], num_micro_batches=4)
+    free = al.parallelize(train_step, cluster=cluster, method=al.ManualPipeshardParallel(**stages)).plan(state, batch)
+    method = al.ManualPipeshardParallel(
+        **stages, submesh_autosharding_option_dicts=[{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 1}])
+    step = al.parallelize(train_step, cluster=cluster, method=method)
+    plan = step.plan(state, batch)
+
+    def splits(p):
+        return [set(stage_batch_splits(st, 8).values()) for st in p.stages]
+
+    assert [st.plan.batch_mesh_axis for st in plan.stages] == [0, 1]
+    assert splits(plan) == [{(0,)}, {(1,)}], splits(plan)
+    assert [st.plan.batch_mesh_axis for st in free.stages] == [None, None] and splits(free) != splits(plan), splits(free)
+    same_params(step(state, batch), jax.jit(plain)(state, batch))
+    assert splits(plan.with_schedule("gpipe")) == [{(0,)}, {(1,)}]  # a re-plan keeps each stage's axis
+    plan.save(tmp_path / "forced.plan.json")
+    fresh = al.parallelize(train_step, cluster=cluster, method=al.ManualPipeshardParallel(**stages))
+    fresh.use(al.PipelinePlan.load(tmp_path / "forced.plan.json"), state, batch)
+    assert splits(fresh.current_plan) == [{(0,)}, {(1,)}]
+    assert splits(fresh.current_plan.with_schedule("gpipe")) == [{(0,)}, {(1,)}]  # learnt from the loaded plan
+    same_params(fresh(state, batch), jax.jit(plain)(state, batch))
+    # the method's default for every stage; a stage's own dict over it (-1: not forced there)
+    default = al.ManualPipeshardParallel(
+        **stages, submesh_autosharding_option_dicts=[{}, {"force_batch_dim_to_mesh_dim": -1}],
+        default_auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=1))
+    mixed = al.parallelize(train_step, cluster=cluster, method=default).plan(state, batch)
+    assert [st.plan.batch_mesh_axis for st in mixed.stages] == [1, None] and splits(mixed)[0] == {(1,)}
+    searched = mixed.unpin_stages()  # the stage DP's stages: the method's default on each (the dicts were for those given)
+    assert searched.stages and all(st.plan.batch_mesh_axis == 1 for st in searched.stages)
+    # a micro-batch of 2 cannot split over 4 devices: the error names the stage and what to change
+    tiny = al.ManualPipeshardParallel(**{**stages, "num_micro_batches": 16, "submesh_logical_shapes": [(2, 2), (4, 1)]},
+                                      submesh_autosharding_option_dicts=[{}, {"force_batch_dim_to_mesh_dim": 0}])
+    with pytest.raises(al.MethodError, match=r"stage 1 \(layers 2-3\) on a 4x1 logical mesh: .*must divide by it.*submesh_logical_shapes"):
+        al.parallelize(train_step, cluster=cluster, method=tiny).plan(state, batch)
+    with pytest.raises(MethodOptionError, match="2 stages but 1 submesh_autosharding_option_dicts"):
+        al.ManualPipeshardParallel(**stages, submesh_autosharding_option_dicts=[{}])
+    with pytest.raises(MethodOptionError, match="must be a mesh axis, 0 or 1"):
+        al.ManualPipeshardParallel(**stages, submesh_autosharding_option_dicts=[{}, {"force_batch_dim_to_mesh_dim": 2}])
 
 
 def test_uniform_grouping_is_the_brute_force_optimum():

@@ -52,7 +52,9 @@ from alpa_lab.passes.inter_op import (
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
 )
-from alpa_lab.passes.methods import AXIS_SYMMETRIC_METHODS, TIE_PERIODS, make_plan, method_restrictions, solve_tied
+from alpa_lab.passes.methods import (
+    AXIS_SYMMETRIC_METHODS, TIE_PERIODS, MethodError, make_plan, method_restrictions, solve_tied,
+)
 from alpa_lab.passes.schedule import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, WARMUP_SCHEDULES, Schedule, Timeline, make_schedule, one_f_one_b_estimate,
     one_f_one_b_windows, simulate, warmup_makespan, warmup_peaks, warmup_timeline,
@@ -151,6 +153,12 @@ class PipelineProblem:
     """forward ops whose results the backward reads: what a micro-batch in flight keeps."""
     stage_methods: dict = field(default_factory=dict)
     """(layers, sub-mesh, logical mesh) -> the memory-saving layout the DP priced it with."""
+    batch_mesh_axis: int | None = None
+    """Alpa's ``force_batch_dim_to_mesh_dim`` for every stage's plan (a method's ``default_auto_sharding_option``):
+    the mesh axis each stage keeps its batch split over (``methods._forced_batch_axis``); None: the ILP's choice"""
+    stage_batch_axes: dict = field(default_factory=dict)
+    """(layers, sub-mesh, logical mesh) -> that stage's own forced batch axis (a ``ManualStageOption``'s per-stage
+    auto-sharding dicts), over ``batch_mesh_axis``; -1: not forced there"""
     state_factor: float = 1.0
     """(params + optimizer state) / params: layer pieces hold no optimizer state, eq. 5 needs it."""
     pieces: dict[tuple[int, int], Subgraph] = field(default_factory=dict)
@@ -245,6 +253,11 @@ class PipelineProblem:
         return {
             piece.var_map[v]: self.argument_kinds.get(v, "activation") for v in piece.invars
         }
+
+    def stage_axis(self, layers: tuple[int, int], submesh: Shape, logical: Shape) -> int | None:
+        """The mesh axis the stage of ``layers`` on that mesh keeps its batch split over (None: not forced)."""
+        axis = self.stage_batch_axes.get((layers, tuple(submesh), tuple(logical)), self.batch_mesh_axis)
+        return None if axis is None or axis < 0 else axis
 
     def mesh(self, submesh: Shape, logical: Shape, device_ids: Sequence[int] | None = None) -> LogicalMesh:
         if device_ids is None:  # a canonical placement: first hosts, first devices of each
@@ -578,6 +591,7 @@ class PipelineProblem:
             self.graph, cluster, num_microbatches=plan.num_microbatches,
             schedule="1f1b" if interleaved else plan.schedule, method=plan.method, max_stages=plan.max_stages,
             problem=self, logical_meshes=self.logical_meshes, submesh_space=plan.submesh_space,
+            batch_mesh_axis=self.batch_mesh_axis,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
         if interleaved:
@@ -597,6 +611,7 @@ class PipelineProblem:
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
         new.stage_timer, new.batch_vars = self.stage_timer, self.batch_vars
+        new.batch_mesh_axis, new.stage_batch_axes = self.batch_mesh_axis, dict(self.stage_batch_axes)
         new.logical_meshes, new.submesh_space = self.logical_meshes, plan.submesh_space
         if plan.stage_pins:
             # the user fixed the stages: keep them as planned (chunks of an interleaved plan share
@@ -649,9 +664,16 @@ class PipelineProblem:
                     self.stage_methods[(st.layers, st.submesh_shape, st.logical_shape)] = st.plan.method
                 else:
                     self.stage_methods.pop((st.layers, st.submesh_shape, st.logical_shape), None)
-            key = (st.layers, st.logical_shape, st.device_ids, st.plan.method, tuple(sorted(dict(st.plan.pins).items())))
+            # as ``fixed_stages``' caller records a stage's forced batch axis: a loaded plan keeps it on re-plans
+            if st.plan.batch_mesh_axis != self.stage_axis(st.layers, st.submesh_shape, st.logical_shape):
+                forced = -1 if st.plan.batch_mesh_axis is None else st.plan.batch_mesh_axis
+                self.stage_batch_axes[(st.layers, st.submesh_shape, st.logical_shape)] = forced
+            key = (st.layers, st.logical_shape, st.device_ids, st.plan.method, tuple(sorted(dict(st.plan.pins).items())),
+                   st.plan.batch_mesh_axis)
+            if st.plan.batch_mesh_axis is not None:  # as _plan_stage solved it: a pin on the stage's plan keeps it
+                sg = dataclasses.replace(sg, batch_mesh_axis=st.plan.batch_mesh_axis)
             cached = self.stage_plans.get(key)
-            if cached is not None and cached == st.plan and cached.problem is sg:
+            if cached is not None and cached == st.plan and (cached.problem is sg or st.plan.batch_mesh_axis is not None):
                 stage_plan = cached
             else:
                 stage_plan = dataclasses.replace(st.plan, problem=sg)
@@ -719,31 +741,38 @@ def _plan_stage(
     pins: Mapping[str, str],
 ) -> Plan:
     method = problem.stage_methods.get((layers, submesh, logical), method) if method == "alpa" else method
+    # a memory-saving layout (Megatron, ZeRO-3) fixes where the batch goes itself (``method_restrictions``)
+    axis = problem.stage_axis(layers, submesh, logical) if method == "alpa" else None
     mine = {}
     if pins:  # a pin elsewhere leaves this stage's plan cached
         graph = problem.graph
         ops = problem.slicing.ops_of(range(*layers))
         names = {graph.ops[i].name for i in ops} | {graph.vars[v].name for i in ops for v in graph.ops[i].inputs}
         mine = {k: v for k, v in pins.items() if k in names}
-    key = (layers, logical, device_ids, method, tuple(sorted(mine.items())))
+    key = (layers, logical, device_ids, method, tuple(sorted(mine.items())), axis)
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
         # the same stage placed on other devices with the same links: the same solution
         signature = cost_signature(problem.mesh(submesh, logical, device_ids))
-        same = (layers, signature, method, key[-1])
+        same = (layers, signature, method, key[-2]) if axis is None else (layers, signature, method, key[-2], axis)
+
+        def stage_problem(period: int) -> StrategyGraph:
+            sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
+            return sg if axis is None else dataclasses.replace(sg, batch_mesh_axis=axis)
+
         twin = None
-        if same not in problem.stage_solutions and not mine:
+        if same not in problem.stage_solutions and not mine and axis is None:
             twin = _twin_solution(problem, layers, signature, method)
         if same in problem.stage_solutions:
             period, solved = problem.stage_solutions[same]
-            sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
+            sg = stage_problem(period)
         elif twin is not None:  # equal layers elsewhere in the stack: the same ILP, its solution renamed
             sg, solved = twin[0], twin[1]
             sg = sg if sg.mesh == problem.mesh(submesh, logical, device_ids) else dataclasses.replace(
                 sg, mesh=problem.mesh(submesh, logical, device_ids))
             problem.stage_solutions[same] = (sg.tie_period, solved)
         else:
-            sg, solved = solve_tied(lambda period: problem.stage_graph(layers, submesh, logical, device_ids, period), method, mine)
+            sg, solved = solve_tied(stage_problem, method, mine)
             problem.stage_solutions[same] = (sg.tie_period, solved)
         problem.stage_plans[key] = make_plan(
             sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
@@ -891,6 +920,9 @@ def plan_stages(
             raise PinError(
                 f"stage {i} (layers {layers[0]}-{layers[1] - 1}) on a {logical[0]}x{logical[1]} logical mesh: {exc}; unpin "
                 "the op, or pin the stages (pin_stages) on meshes where that strategy exists", exc.pins) from exc
+        except MethodError as exc:  # e.g. a forced batch axis the stage's micro-batch does not divide: say which stage
+            raise MethodError(f"stage {i} (layers {layers[0]}-{layers[1] - 1}) on a {logical[0]}x{logical[1]} logical mesh: {exc}; "
+                              "give that stage another logical mesh (ManualStageOption(submesh_logical_shapes=...))") from exc
         f, b, a, w, act = _stage_figures(problem, plan, layers)
         wt = sum(o.compute_cost + o.communication_cost for o in plan.ops if o.name in deferred)
         if deferred:  # the weight gradients' sums run after W, in its RUN
@@ -1090,6 +1122,8 @@ def plan_pipeline(
     screen_candidates: bool = True,
     batch_vars: frozenset[int] | None = None,
     fixed: Callable[[PipelineProblem], tuple] | None = None,
+    batch_mesh_axis: int | None = None,
+    stage_axes: Callable[[int], Sequence[int | None]] | None = None,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -1110,6 +1144,9 @@ def plan_pipeline(
     ``fixed``: the stages are given, not searched: called with the problem, it returns ([first, last] layers,
     sub-meshes or None, logical meshes or None) per stage, as ``fixed_stages`` takes them (Alpa's manual and
     uniform stage options, ``parallel_method``); no DP runs.
+    ``batch_mesh_axis``: Alpa's ``force_batch_dim_to_mesh_dim`` for every stage's plan (``PipelineProblem.batch_mesh_axis``;
+    the DP prices the layers without it); ``stage_axes(number of fixed stages)``: each fixed stage's own (None: the
+    default; -1: not forced), kept for re-plans of those stages (``PipelineProblem.stage_batch_axes``).
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
@@ -1117,13 +1154,20 @@ def plan_pipeline(
     problem = problem or PipelineProblem.build(graph, cluster)
     if batch_vars is not None:
         problem.batch_vars = batch_vars
+    problem.batch_mesh_axis = batch_mesh_axis
+    problem.stage_batch_axes.clear()  # what an earlier fixed plan or a loaded one forced: this plan's come below
     problem.logical_meshes, problem.submesh_space = logical_meshes, submesh_space
     if stage_timer is not None:
         problem.stage_timer = stage_timer
     N, M = cluster.hosts, cluster.devices_per_host
     memory = cluster.device_memory
     if fixed is not None:
-        stages = fixed_stages(problem, *fixed(problem))
+        ranges, submeshes, logicals = fixed(problem)
+        axes = list(stage_axes(len(ranges))) if stage_axes else [None] * len(ranges)
+        stages = fixed_stages(problem, ranges, submeshes, logicals, axes)
+        for (layers, submesh, logical, _), axis in zip(stages, axes):
+            if axis is not None:
+                problem.stage_batch_axes[(layers, submesh, logical)] = axis
         results, timeline = plan_stages(problem, stages, num_microbatches=num_microbatches, schedule=schedule, method=method)
         check_memory(results, cluster)
         return problem, results, timeline
@@ -1458,8 +1502,11 @@ def fixed_stages(
     layer_ranges: Sequence[tuple[int, int]],
     submeshes: Sequence[Shape] | None,
     logical: Sequence[Shape] | None,
+    batch_axes: Sequence[int | None] | None = None,
 ) -> list[tuple[tuple[int, int], Shape, Shape, tuple[int, ...]]]:
-    """User-pinned stages: check the layer ranges and sub-meshes, place them, choose logical meshes."""
+    """User-pinned stages: check the layer ranges and sub-meshes, place them, choose logical meshes (for a stage
+    whose batch is forced onto a mesh axis, ``batch_axes[i]`` or the problem's default, among those where that
+    axis has devices, as a single-mesh plan chooses its grid)."""
     L = problem.slicing.num_layers
     cluster = problem.cluster
     N, M = cluster.hosts, cluster.devices_per_host
@@ -1502,7 +1549,11 @@ def fixed_stages(
             if lg not in logical_shapes(shape):
                 raise InterOpError(f"stage {i}: logical mesh {lg} does not fit sub-mesh {shape}; choose from {logical_shapes(shape)}")
         else:
-            options = [(problem.stage_cost(a, b + 1, shape, lg), lg) for lg in logical_shapes(shape)]
+            axis = batch_axes[i] if batch_axes is not None and batch_axes[i] is not None else problem.batch_mesh_axis
+            shapes = logical_shapes(shape)
+            if axis is not None and axis >= 0:
+                shapes = tuple(lg for lg in shapes if lg[axis] > 1) or shapes
+            options = [(problem.stage_cost(a, b + 1, shape, lg), lg) for lg in shapes]
             options = [(c.time, lg) for c, lg in options if c is not None]
             if not options:
                 raise InterOpError(f"stage {i} (layers {a}..{b}) has no feasible sharding on sub-mesh {shape}")

@@ -164,21 +164,33 @@ TIMING = "run+sums/2"
 
 
 class _Timed:
-    """One unit task made ready to time as a RUN instruction: its example inputs, and its sums' starting values."""
+    """One unit task made ready to time as a RUN instruction: its example inputs (made only if it is timed), and
+    its sums' starting values."""
 
     def __init__(self, task: Any, graph: Any, accumulated: frozenset[int]):
-        self.task = task
-        self.args = [jax.device_put(_example(graph.vars[v]), sh) for v, sh in zip(task.invars, task.in_shardings)]
+        self.task, self.graph = task, graph
         self.summed = [i for i, v in enumerate(task.outvars) if v in accumulated]
         self.dtypes = {task.outvars[i]: graph.vars[task.outvars[i]].dtype for i in self.summed}
         self.sums: dict[int, Any] = {}
 
+    @functools.cached_property
+    def args(self) -> list[Any]:
+        return [jax.device_put(_example(self.graph.vars[v]), sh) for v, sh in zip(self.task.invars, self.task.in_shardings)]
+
     def key(self, hardware: str) -> str:
-        """The cache key: the lowered program (shardings and mesh shape in it), its mesh's size, what it sums, the hardware."""
+        """The cache key: the lowered program (shardings and mesh shape in it; lowered on abstract arguments, so
+        nothing is allocated for a cached task), its mesh's size, which results it sums, the hardware."""
+        from alpa_lab.graph.opgraph import dtype_of
+
         task = self.task
-        text = task.fn.lower(*self.args).as_text() if hasattr(task.fn, "lower") else repr(task)
+        if hasattr(task.fn, "lower"):
+            abstract = [jax.ShapeDtypeStruct(self.graph.vars[v].shape, dtype_of(self.graph.vars[v].dtype), sharding=sh)
+                        for v, sh in zip(task.invars, task.in_shardings)]
+            text = task.fn.lower(*abstract).as_text()
+        else:
+            text = repr(task)
         mesh_devices = len({d for sh in task.in_shardings for d in getattr(sh, "device_set", ())})
-        sums = ",".join(str(self.dtypes[task.outvars[i]]) for i in self.summed)
+        sums = ",".join(f"{i}:{self.dtypes[task.outvars[i]]}" for i in self.summed)
         return hashlib.sha256(f"{hardware}\n{TIMING}\nmesh_devices={mesh_devices}\nsums={sums}\n{text}".encode()).hexdigest()
 
     def run(self) -> float:
