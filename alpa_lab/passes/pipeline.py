@@ -166,7 +166,7 @@ class PipelineProblem:
     stage_graphs: dict[tuple, StrategyGraph] = field(default_factory=dict)
     """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP."""
     stage_solutions: dict[tuple, tuple] = field(default_factory=dict)
-    """(layers, mesh costs, method, pins) -> (tie period, solution): a stage placed elsewhere reuses it"""
+    """(layers, mesh costs, method, pins, forced batch axis) -> (tie period, solution): a stage placed elsewhere reuses it"""
     stage_twins: dict[tuple, tuple[int, int]] = field(default_factory=dict)
     """(layer keys of a stage, mesh costs, tie period) -> the first layers [start, end) built so: a stage of
     equal layers elsewhere in the stack is that problem renamed (``intra_op.relabel``)"""
@@ -256,7 +256,11 @@ class PipelineProblem:
 
     def stage_axis(self, layers: tuple[int, int], submesh: Shape, logical: Shape) -> int | None:
         """The mesh axis the stage of ``layers`` on that mesh keeps its batch split over (None: not forced)."""
-        axis = self.stage_batch_axes.get((layers, tuple(submesh), tuple(logical)), self.batch_mesh_axis)
+        return self.forced_axis(self.stage_batch_axes.get((layers, tuple(submesh), tuple(logical))))
+
+    def forced_axis(self, own: int | None) -> int | None:
+        """A stage's forced batch axis from its own setting (None: the default ``batch_mesh_axis``; -1: not forced)."""
+        axis = self.batch_mesh_axis if own is None else own
         return None if axis is None or axis < 0 else axis
 
     def mesh(self, submesh: Shape, logical: Shape, device_ids: Sequence[int] | None = None) -> LogicalMesh:
@@ -754,7 +758,7 @@ def _plan_stage(
         t0 = time.perf_counter()
         # the same stage placed on other devices with the same links: the same solution
         signature = cost_signature(problem.mesh(submesh, logical, device_ids))
-        same = (layers, signature, method, key[-2]) if axis is None else (layers, signature, method, key[-2], axis)
+        same = (layers, signature, method, key[-2], axis)
 
         def stage_problem(period: int) -> StrategyGraph:
             sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
@@ -789,9 +793,9 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
     """
     for period in TIE_PERIODS:
         twin = problem.stage_twins.get(problem._twin_key(layers, signature, period))
-        if twin is None or twin == layers or (twin, signature, method, ()) not in problem.stage_solutions:
+        if twin is None or twin == layers or (twin, signature, method, (), None) not in problem.stage_solutions:
             continue
-        found_period, solved = problem.stage_solutions[(twin, signature, method, ())]
+        found_period, solved = problem.stage_solutions[(twin, signature, method, (), None)]
         if found_period != period:
             continue
         sg = problem.stage_graphs.get((layers, signature, period)) or problem._twin_graph(layers, signature, period)
@@ -1549,9 +1553,9 @@ def fixed_stages(
             if lg not in logical_shapes(shape):
                 raise InterOpError(f"stage {i}: logical mesh {lg} does not fit sub-mesh {shape}; choose from {logical_shapes(shape)}")
         else:
-            axis = batch_axes[i] if batch_axes is not None and batch_axes[i] is not None else problem.batch_mesh_axis
+            axis = problem.forced_axis(batch_axes[i] if batch_axes is not None else None)
             shapes = logical_shapes(shape)
-            if axis is not None and axis >= 0:
+            if axis is not None:
                 shapes = tuple(lg for lg in shapes if lg[axis] > 1) or shapes
             options = [(problem.stage_cost(a, b + 1, shape, lg), lg) for lg in shapes]
             options = [(c.time, lg) for c, lg in options if c is not None]
