@@ -8,14 +8,17 @@ import random
 from dataclasses import replace as dataclass_replace
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from alpa_lab.passes.inter_op import (
     InterOpError,
     InterOpPlan,
+    RangeCosts,
     StageCost,
     brute_force_stages,
     logical_shapes,
+    profile_stage_options,
     stage_dp,
     stage_dp_uniform,
 )
@@ -843,3 +846,51 @@ def test_no_slicing_when_the_cluster_is_not_a_multiple_of_the_feasible_sub_meshe
     with pytest.raises(InterOpError):
         stage_dp(2, 1, 3, 2, cost, in_flight=one_f_one_b(2))
     assert stage_dp_capped(2, 1, 3, 2, cost, [1, 2]) == {}
+
+
+def test_options_given_over_whole_ranges_profile_as_asked_one_range_at_a_time():
+    """``RangeCosts`` (every range of a mesh at once) against the same random costs asked per range: the same
+    table, with several plans per logical mesh, ties, limits of 0 (dropped and counted) and no limit."""
+    from alpa_lab.passes import inter_op
+
+    rng = random.Random(5)
+    for _ in range(25):
+        L = rng.randint(1, 6)
+        N, M = rng.choice(CLUSTERS)
+        variants = ["", "saver"][: rng.randint(1, 2)]
+        plans = {}  # (shape, logical) -> [(time, limit) arrays per variant]
+        for shape in submesh_shapes(N, M):
+            for logical in inter_op.logical_shapes(shape):
+                plans[shape, logical] = []
+                for _ in variants:
+                    time = np.array([[float(rng.randint(1, 4)) if rng.random() > 0.3 else np.nan for _ in range(L + 1)]
+                                     for _ in range(L + 1)])
+                    limit = np.array([[rng.choice([-1, 0, 1, 2, 3]) for _ in range(L + 1)] for _ in range(L + 1)])
+                    plans[shape, logical].append((time, limit))
+
+        def cost(start, end, shape, logical):
+            return [StageCost(float(t[start, end]), max_in_flight=None if m[start, end] < 0 else int(m[start, end]), variant=v)
+                    for (t, m), v in zip(plans[shape, logical], variants) if not np.isnan(t[start, end])]
+
+        def range_costs(shape, logical):
+            return [RangeCosts(t, m, v) for (t, m), v in zip(plans[shape, logical], variants)]
+
+        slow_stats, fast_stats = {}, {}
+        slow = inter_op._profile(cost, L, submesh_shapes(N, M), slow_stats)
+        fast = inter_op._profile(cost, L, submesh_shapes(N, M), fast_stats, range_costs)
+        assert list(fast) == list(slow) and fast_stats == slow_stats
+        assert all(fast[k].options == slow[k].options for k in slow)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda L: RangeCosts(np.ones((L, L)), np.zeros((L, L), dtype=int)), r"must be \(4, 4\)"),
+    (lambda L: RangeCosts(-np.ones((L + 1, L + 1)), -np.ones((L + 1, L + 1), dtype=int)), r"time -1.0 for layers \[0, 1\)"),
+    (lambda L: RangeCosts(np.full((L + 1, L + 1), np.inf), -np.ones((L + 1, L + 1), dtype=int)), "finite"),
+    (lambda L: RangeCosts(np.ones((L + 1, L + 1)), np.ones((L + 1, L + 1)) * 0.5), "must be integers"),
+    (lambda L: RangeCosts(np.ones((L + 1, L + 1)), np.full((L + 1, L + 1), -2)), "below -1"),
+    (lambda L: StageCost(1.0), "must give RangeCosts"),
+])
+def test_bad_range_costs_are_refused_with_what_was_wrong(bad, match):
+    L = 3
+    with pytest.raises(InterOpError, match=match):
+        profile_stage_options(L, 1, 2, lambda *a: StageCost(1.0), {}, range_costs=lambda shape, logical: [bad(L)])

@@ -695,3 +695,41 @@ def test_the_kept_plans_timeline_is_its_stages_simulated_with_records(name):
     for schedule in ("1f1b", "gpipe"):
         problem, results, timeline = plan_pipeline(graph, step.cluster, num_microbatches=4, schedule=schedule)
         assert timeline.records and timeline == simulated_timeline(problem, results, schedule, 4)
+
+
+@pytest.mark.parametrize("schedule, logical_meshes, memory", [
+    ("gpipe", "all", 1.2e6),  # the memory-saving layouts are offered on some ranges, some options hold no micro-batch
+    ("1f1b", "single_node_model_parallel", 1.2e6),  # logical meshes outside the space answer nothing
+    ("1f1b", "all", None),  # no memory pressure: every option unlimited by micro-batches but the activations'
+])
+def test_the_stage_options_profiled_over_whole_ranges_equal_those_asked_one_range_at_a_time(monkeypatch, schedule, logical_meshes, memory):
+    """plan_pipeline's range_costs (every layer range of a mesh at once, on arrays) against its per-range stage_cost
+    (the unoptimised path): the same options, times to the bit, limits, layouts, order and stats, for both DP tables."""
+    from alpa_lab.passes import inter_op, pipeline
+
+    compared = []
+
+    def both(L, N, M, stage_cost, cache, space, range_costs):
+        shapes = inter_op._shapes(N, M, space)
+        slow_stats, fast_stats = {}, {}
+        slow = inter_op._profile(stage_cost, L, shapes, slow_stats)
+        fast = inter_op._profile(stage_cost, L, shapes, fast_stats, range_costs)
+        assert list(fast) == list(slow) and slow_stats == fast_stats
+        for key, options in slow.items():
+            assert fast[key].options == options.options, key
+        compared.append((slow, slow_stats))
+        return inter_op.profile_stage_options(L, N, M, stage_cost, cache, space, range_costs)
+
+    monkeypatch.setattr(pipeline, "profile_stage_options", both)
+    ex = tiny_example("gpt")
+    cluster = al.ClusterSpec.local(2, 4) if memory is None else dataclasses.replace(al.ClusterSpec.local(2, 4), device_memory=memory)
+    graph = al.parallelize(ex.train_step, cluster=cluster, microbatches=8, layers=4).trace(*ex.args)
+    plan_pipeline(graph, cluster, num_microbatches=8, schedule=schedule, logical_meshes=logical_meshes)
+    assert len(compared) == 2  # with transfers, and eq. 2's table without
+    (with_sends, stats), (plain, _) = compared
+    options = [o for table in (with_sends, plain) for opts in table.values() for o in opts.options]
+    assert any(a.time != b.time for k in plain for a, b in zip(with_sends[k].options, plain[k].options))
+    if memory is not None:
+        assert any(o.max_in_flight is not None for o in options)
+    if schedule == "gpipe":
+        assert {"megatron", "zero3"} & {o.variant for o in options} and stats["no_memory"] > 0

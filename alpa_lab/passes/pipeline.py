@@ -46,7 +46,7 @@ from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph, is_inexact
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import (
-    InterOpError, InterOpPlan, StageCost, logical_shapes, pipeline_latency, profile_stage_options, stage_dp, stage_dp_capped,
+    InterOpError, InterOpPlan, RangeCosts, StageCost, logical_shapes, pipeline_latency, profile_stage_options, stage_dp, stage_dp_capped,
     stage_dp_uniform,
 )
 from alpa_lab.passes.intra_op import (
@@ -412,6 +412,17 @@ class PipelineProblem:
             float(activations[end] - activations[start]),
         )
 
+    def range_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
+        """``stage_cost`` for every [start, end] at once: time, weight memory, activation memory and
+        feasibility, arrays of (L + 1, L + 1) (the same differences of the same sums, so the same floats)."""
+        forward, backward, weights, activations, infeasible = self.cumulative_costs(submesh, logical, method)
+
+        def ranges(sums: np.ndarray) -> np.ndarray:
+            return sums[None, :] - sums[:, None]
+
+        return (ranges(forward) + ranges(backward), ranges(weights), ranges(activations),
+                infeasible[None, :] == infeasible[:, None])
+
     def send_seconds(self, start: int, end: int, submesh: Shape) -> float:
         """Per micro-batch, the boundary transfer of the stage holding layers [start, end) on ``submesh``.
 
@@ -423,10 +434,18 @@ class PipelineProblem:
         """
         if end >= self.slicing.num_layers:
             return 0.0
+        return self.exchanged_bytes(start, end) / self._send_bandwidth(submesh)
+
+    def send_seconds_table(self, submesh: Shape) -> np.ndarray:
+        """``send_seconds`` for every [start, end] of ``submesh``."""
+        table = self.exchanged_bytes_table() / self._send_bandwidth(submesh)
+        table[:, self.slicing.num_layers:] = 0.0
+        return table
+
+    def _send_bandwidth(self, submesh: Shape) -> float:
         c = self.cluster
         whole_hosts = submesh[1] == c.devices_per_host and c.hosts > 1
-        bandwidth = c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
-        return self.exchanged_bytes(start, end) / bandwidth
+        return c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
 
     def exchanged_bytes(self, start: int, end: int) -> float:
         """Per micro-batch, the heavier direction of what the stage of layers [start, end) exchanges
@@ -1230,6 +1249,34 @@ def plan_pipeline(
                     return MEMORY_SAVING_METHODS
         return ()
 
+    def ranges(submesh: Shape, logical: Shape, transfers: bool = transfers) -> list[RangeCosts]:
+        """``cost`` over every range at once (``RangeCosts``): ``stage_layouts`` on arrays, the savers where
+        ``wants_savers`` would ask for them, the same transfer added."""
+        if not in_logical_space(logical_meshes, submesh, logical, M):
+            return []
+        report()
+        L = problem.slicing.num_layers
+        send = problem.send_seconds_table(submesh) if transfers else 0.0
+        time, weights, activations, feasible = problem.range_costs(submesh, logical, method)
+        limit = ranges_fits(weights, activations)
+        found = [RangeCosts(np.where(feasible, time + send, np.nan), limit, method)]
+        if method == "alpa":
+            need = [rule(min(L - start, N * M - submesh[0] * submesh[1] + 1)) for start in range(L)] + [0]
+            savers = feasible & (limit != -1) & (limit < np.asarray(need)[:, None])
+            if np.triu(savers, 1).any():
+                for saver in MEMORY_SAVING_METHODS:
+                    time, weights, activations, feasible = problem.range_costs(submesh, logical, saver)
+                    found.append(RangeCosts(np.where(savers & feasible, time + send, np.nan),
+                                            ranges_fits(weights, activations), saver))
+        return found
+
+    def ranges_fits(weights: np.ndarray, activations: np.ndarray) -> np.ndarray:
+        """``_fits`` on arrays (-1: no limit)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            held = np.floor((memory - weights) / np.where(activations == 0, 1.0, activations))
+        held = np.minimum(held, 2.0**62).astype(np.int64)  # more micro-batches than any schedule holds
+        return np.where(weights > memory, 0, np.where(activations == 0, -1, held))
+
     rule = in_flight_rule(schedule, num_microbatches)
     profiled: dict = {}  # the DP's table of stage costs, profiled once for every stage-count cap
     meshes = [(shape, lg) for shape in submesh_shapes(N, M, submesh_space) for lg in logical_shapes(shape)
@@ -1252,13 +1299,14 @@ def plan_pipeline(
     # simulation picks from more) are searched in another thread meanwhile. The DP is numpy over
     # large rows, which runs outside the GIL: on GPT-3 175B the two searches take 1.6x less together.
     try:
-        profile_stage_options(L, N, M, cost, profiled, submesh_space)
+        profile_stage_options(L, N, M, cost, profiled, submesh_space, ranges)
     except InterOpError as err:
         raise not_fitting(err) from err
     plain_table: dict | None = {} if transfers else None
     if plain_table is not None:
         try:
-            profile_stage_options(L, N, M, plain_cost, plain_table, submesh_space)
+            profile_stage_options(L, N, M, plain_cost, plain_table, submesh_space,
+                                  functools.partial(ranges, transfers=False))
         except InterOpError:  # as the DP below would: eq. 2's own candidates are then left out
             plain_table = None
 
