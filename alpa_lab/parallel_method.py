@@ -71,8 +71,8 @@ class AutoShardingOption:
     tensor with a batch dimension keeps it split over that mesh axis alone (``passes.methods.batch_dims``; a
     pinned op, or one with no such strategy, excepted), and grids where that axis has one device are not tried
     unless ``devices`` gives one. In a pipeline (``PipeshardParallel``'s ``default_auto_sharding_option``, a
-    ``ManualStageOption``'s per-stage dicts) each stage's plan keeps it so on that stage's logical mesh; the
-    stage DP prices the layers without it.
+    ``ManualStageOption``'s per-stage dicts) each stage's plan keeps it so on that stage's logical mesh, and the
+    stage DP prices each layer so (the default option's axis), as Alpa profiles its stages with the option.
     ``force_data_parallel`` keeps the batch split over every device, and takes precedence over it.
     Those that only tune Alpa's own solver or its collective combiners (the thresholds, ``prefer_reduce_scatter``
     without ``force_data_parallel``) are accepted and change nothing; those that forbid strategies are refused."""

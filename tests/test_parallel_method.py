@@ -119,19 +119,20 @@ def test_pipeshard_defaults_are_alpas():
 
 class Boundaried(nn.Module):
     layers: int = 4
+    width: int = 16
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.layers):
             if i:
                 al.mark_pipeline_boundary()
-            x = nn.relu(nn.Dense(16)(x))
+            x = nn.relu(nn.Dense(self.width)(x))
         return nn.Dense(4)(x)
 
 
-def boundaried(layers: int = 4):
+def boundaried(layers: int = 4, width: int = 16):
     """A model with ``mark_pipeline_boundary()`` between its layers and an Alpa-style step (``al.grad``)."""
-    model = Boundaried(layers)
+    model = Boundaried(layers, width)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 8)), jnp.float32)
     y = jnp.asarray(np.random.default_rng(1).standard_normal((32, 4)), jnp.float32)
     state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
@@ -404,3 +405,62 @@ def test_op_pins_keep_the_fixed_stages(mlp, cluster):
     op = next(o for o in plan.stages[0].plan.ops if o.kind == "op" and o.name.startswith("dot_general"))
     pinned = step.plan(*mlp.args, pins={op.name: op.strategy})
     assert pinned.stage_pins and stages_of(pinned) == stages_of(plan) and dict(pinned.pins) == {op.name: op.strategy}
+
+
+def test_the_stage_dp_prices_each_layer_with_the_default_forced_batch_axis(monkeypatch, cluster):
+    """Alpa profiles the stages its DP weighs with ``default_auto_sharding_option``: every layer ILP the DP solves in
+    the planner's own method is restricted as ``force_batch_dim_to_mesh_dim`` restricts a stage (the memory-saving
+    layouts keep their own rule). Oracles: the restrictions each solve gets, re-derived by the forcing rule on that
+    solve's graph; the two views of a line of devices, one ILP when unforced, priced apart when forced (axis 0 is
+    the line in one and a single device in the other); the unforced costs, which differ; jax.jit's numerics."""
+    from alpa_lab.passes import pipeline
+    from alpa_lab.passes.methods import method_restrictions
+
+    train_step, plain, state, batch = boundaried(width=512)  # wide: the weights, not the micro-batch of 8, are worth splitting
+    seen = []
+    real = pipeline.solve_strategy_graph
+
+    def spy(sg, pins=None, **kw):
+        seen.append((sg.batch_mesh_axis, kw["restrictions"], method_restrictions("alpa", sg)))
+        return real(sg, pins, **kw)
+
+    monkeypatch.setattr(pipeline, "solve_strategy_graph", spy)  # the layer ILPs (solved in this process: a small problem)
+
+    def planned(option):
+        method = al.PipeshardParallel(num_micro_batches=4, layer_option="manual", stage_option="auto",
+                                      default_auto_sharding_option=option)
+        step = al.parallelize(train_step, cluster=cluster, method=method)
+        return step, step.plan(state, batch)
+
+    step, plan = planned(al.AutoShardingOption(force_batch_dim_to_mesh_dim=0))
+    forced_solves = [(axis, restrictions, rule) for axis, restrictions, rule in seen if axis is not None]
+    assert forced_solves and all(axis == 0 and restrictions == rule for axis, restrictions, rule in forced_solves)
+    assert any(restrictions for _, restrictions, _ in forced_solves)  # forcing restricted something
+    problem = plan.problem
+    assert all(st.plan.batch_mesh_axis == 0 for st in plan.stages)
+    line, across = problem.layer_cost(1, (1, 4), (1, 4)), problem.layer_cost(1, (1, 4), (4, 1))
+    seen.clear()
+    _, free = planned(None)
+    assert not any(axis is not None for axis, _, _ in seen)
+    unforced = free.problem
+    assert unforced.layer_cost(1, (1, 4), (1, 4)) == unforced.layer_cost(1, (1, 4), (4, 1))  # one ILP for both views
+    # unforced, this wide layer splits its weights over the line; forced to axis 0, it must split its micro-batch over
+    # the line where axis 0 is the line (dearer), and keep it whole where axis 0 is one device: two problems
+    assert across.time > 1.5 * unforced.layer_cost(1, (1, 4), (4, 1)).time and line != across
+    same_params(step(state, batch), jax.jit(plain)(state, batch))
+
+
+def test_a_stage_reading_only_activations_keeps_its_batch_on_the_forced_axis(cluster):
+    """Alpa names the batch (``batch_argnums=(1,)``), which only the first and last stages read: the middle stages take
+    the batch from the activations they receive, and every op of theirs carrying it is split over the forced axis
+    too (they were held partly whole). Oracle: the batch-dimension analysis on each stage's chosen strategies."""
+    train_step, plain, state, batch = boundaried()
+    method = al.ManualPipeshardParallel(
+        forward_stage_layer_ids=[[0], [1], [2], [3]], submesh_physical_shapes=[(1, 2)] * 4,
+        submesh_logical_shapes=[(2, 1)] * 4, num_micro_batches=4,
+        default_auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=0))
+    step = al.parallelize(train_step, cluster=cluster, method=method)
+    plan = step.plan(state, batch)
+    assert [bool(st.plan.problem.batch_vars) for st in plan.stages] == [True, False, False, True]
+    assert [set(stage_batch_splits(st, 8).values()) for st in plan.stages] == [{(0,)}] * 4
+    same_params(step(state, batch), jax.jit(plain)(state, batch))

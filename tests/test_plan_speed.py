@@ -563,7 +563,8 @@ def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(m
     one_by_one = PipelineProblem.build(graph, cluster)
     assert len(threaded.layer_costs) == len(meshes) * len(set(threaded.layer_keys)) + sum(
         2 * len(set(threaded.layer_keys)) for s, _ in meshes if s[0] == 1)
-    for (key, submesh, logical, method), cost in threaded.layer_costs.items():
+    for (key, submesh, logical, method, axis), cost in threaded.layer_costs.items():
+        assert axis is None  # no forced batch axis
         layer = threaded.layer_keys.index(key)
         assert one_by_one.layer_cost(layer, submesh, logical, method) == cost, (layer, submesh, logical, method)
     _, with_prefetch, timeline = plan_pipeline(graph, cluster, num_microbatches=4)
@@ -631,7 +632,7 @@ def test_two_planners_forking_at_once_take_turns_and_each_gets_its_own_costs(mon
     for problem in problems:
         fresh = PipelineProblem.build(problem.graph, problem.cluster)
         assert len(problem.layer_costs) == len(meshes) * len(set(problem.layer_keys))
-        for (key, submesh, logical, method), cost in problem.layer_costs.items():
+        for (key, submesh, logical, method, _), cost in problem.layer_costs.items():
             assert fresh.layer_cost(problem.layer_keys.index(key), submesh, logical, method) == cost
 
 

@@ -180,9 +180,13 @@ def _batch_size(sg: StrategyGraph) -> int | None:
 
 
 def _is_batch(sg: StrategyGraph, vid: int, batch: int | None) -> bool:
-    """Whether argument ``vid`` is the batch: one the user named (``batch_vars``), else one leading with its size."""
+    """Whether argument ``vid`` is the batch: one the user named (``batch_vars``), else one leading with its size.
+    What a pipeline stage receives from another (an activation) is never named: it is judged by its size, named or not
+    (a stage reading no data took its batch from none of them, and a forced axis held none of its ops)."""
     shape = sg.var_info[vid][0]
-    return vid in sg.batch_vars if sg.batch_vars is not None else bool(shape) and shape[0] == batch
+    if sg.batch_vars is not None and sg.argument_kinds.get(vid) != "activation":
+        return vid in sg.batch_vars
+    return bool(shape) and shape[0] == batch
 
 
 def _forced_batch_axis(sg: StrategyGraph, pins: Mapping[str, str]) -> dict[str, tuple[str, ...]]:

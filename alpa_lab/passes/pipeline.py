@@ -269,9 +269,19 @@ class PipelineProblem:
             device_ids = [h * M + d for h in range(submesh[0]) for d in range(submesh[1])]
         return self.cluster.logical_mesh(logical, tuple(device_ids))
 
+    def dp_axis(self, method: str) -> int | None:
+        """The mesh axis the DP's layer costs in ``method`` keep the batch split over: the plan's default forced axis
+        (``batch_mesh_axis``) for the ILP's own method, as every stage the DP chooses is then planned; None otherwise
+        (the memory-saving layouts keep their own rule)."""
+        return self.forced_axis(None) if method == "alpa" else None
+
+    def layer_key(self, kind: int, submesh: Shape, logical: Shape, method: str) -> tuple:
+        """``layer_costs``' key: the layer's kind (``layer_keys``), the mesh, the method and its forced batch axis."""
+        return (kind, submesh, logical, method, self.dp_axis(method))
+
     def layer_cost(self, layer: int, submesh: Shape, logical: Shape, method: str = "alpa") -> LayerCost | None:
-        """The intra-op ILP's cost of a layer (cached per repeated-layer key, mesh and method)."""
-        key = (self.layer_keys[layer], submesh, logical, method)
+        """The intra-op ILP's cost of a layer (cached per repeated-layer key, mesh, method and forced batch axis)."""
+        key = self.layer_key(self.layer_keys[layer], submesh, logical, method)
         if key not in self.layer_costs:
             twin = self.transposed_twin(submesh, logical, method)
             if twin is not None:  # the same problem with its mesh axis renamed: the same costs
@@ -290,8 +300,8 @@ class PipelineProblem:
         that treat the axes alike). The check is on the two meshes' own numbers (latency, bandwidth,
         device figures), so views that ever cost differently are each solved.
         """
-        if method not in AXIS_SYMMETRIC_METHODS or logical[0] != 1 or logical[1] == 1:
-            return None
+        if method not in AXIS_SYMMETRIC_METHODS or logical[0] != 1 or logical[1] == 1 or self.dp_axis(method) is not None:
+            return None  # a forced batch axis names one of the two views' axes: they are two problems
         twin = (logical[1], 1)
         a, b = cost_signature(self.mesh(submesh, logical)), cost_signature(self.mesh(submesh, twin))
         same_axis = (a.alpha[1], a.beta[1]) == (b.alpha[0], b.beta[0])  # the axis of size n in each view
@@ -326,9 +336,12 @@ class PipelineProblem:
         if not self.slicing.ops_of([layer], (FORWARD, BACKWARD)):
             return LayerCost(0.0, 0.0, 0.0, 0.0)
         ops, sg, kinds = self._layer_graph(layer, submesh, logical)
+        axis = self.dp_axis(method)
+        if axis is not None:
+            sg = dataclasses.replace(sg, batch_mesh_axis=axis)
         try:
             sol = solve_strategy_graph(sg, restrictions=method_restrictions(method, sg))
-        except ValueError:
+        except ValueError:  # no plan (a forced axis that cannot split this layer's batch among them)
             return None
         forward = weights = activations = 0.0
         op_total = sums = forward_sums = 0.0
@@ -475,7 +488,7 @@ class PipelineProblem:
         global _FORKED_JOB
         workers = plan_workers() if workers is None else workers
         reps = self._layer_reps()
-        todo = [m for m in meshes if any((k, *m, method) not in self.layer_costs for k in reps)]
+        todo = [m for m in meshes if any(self.layer_key(k, *m, method) not in self.layer_costs for k in reps)]
         if workers < 2 or len(todo) < 2:
             return
         # a (1, n) view whose (n, 1) twin is also asked for goes once that one is done, and copies what the two
@@ -546,12 +559,13 @@ class PipelineProblem:
         def solve(how: str) -> None:
             twin = self.transposed_twin(*mesh, how)
             for k, lay in reps.items():
-                if (k, *mesh, how) in self.layer_costs:
+                key = self.layer_key(k, *mesh, how)
+                if key in self.layer_costs:
                     continue
-                if twin is not None and (k, mesh[0], twin, how) in self.layer_costs:
-                    self.layer_costs[(k, *mesh, how)] = self.layer_costs[(k, mesh[0], twin, how)]
+                if twin is not None and self.layer_key(k, mesh[0], twin, how) in self.layer_costs:
+                    self.layer_costs[key] = self.layer_costs[self.layer_key(k, mesh[0], twin, how)]
                 else:
-                    self.layer_costs[(k, *mesh, how)] = self._solve_layer(lay, *mesh, how)
+                    self.layer_costs[key] = self._solve_layer(lay, *mesh, how)
 
         solve(method)
         for how in more(*mesh):
@@ -569,7 +583,7 @@ class PipelineProblem:
     def cumulative_costs(self, submesh: Shape, logical: Shape, method: str = "alpa") -> tuple[np.ndarray, ...]:
         """Forward, backward, weight and activation costs summed over layers [0, k), and how many of
         those layers are infeasible, for k = 0..L (arrays of L + 1); every layer is priced once."""
-        key = (submesh, logical, method)
+        key = (submesh, logical, method, self.dp_axis(method))
         if key not in self.prefixes:
             costs = [self.layer_cost(lay, submesh, logical, method) for lay in range(self.slicing.num_layers)]
             table = np.array([(0.0, 0.0, 0.0, 0.0, 1.0) if c is None else (*dataclasses.astuple(c), 0.0) for c in costs])
@@ -1168,8 +1182,8 @@ def plan_pipeline(
     sub-meshes or None, logical meshes or None) per stage, as ``fixed_stages`` takes them (Alpa's manual and
     uniform stage options, ``parallel_method``); no DP runs.
     ``batch_mesh_axis``: Alpa's ``force_batch_dim_to_mesh_dim`` for every stage's plan (``PipelineProblem.batch_mesh_axis``;
-    the DP prices the layers without it); ``stage_axes(number of fixed stages)``: each fixed stage's own (None: the
-    default; -1: not forced), kept for re-plans of those stages (``PipelineProblem.stage_batch_axes``).
+    the DP prices the layers with it too, ``PipelineProblem.dp_axis``); ``stage_axes(number of fixed stages)``: each
+    fixed stage's own (None: the default; -1: not forced), kept for re-plans of those stages (``stage_batch_axes``).
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
