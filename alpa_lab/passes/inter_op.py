@@ -113,6 +113,7 @@ class RangeCosts:
 
 RangeCostFn = Callable[[Shape, Shape], "Sequence[RangeCosts]"]
 """(sub-mesh, logical mesh) -> its plans over every range, in the order ``stage_cost`` lists them"""
+
 InFlightFn = Callable[[int], int]
 
 
@@ -289,6 +290,11 @@ def _frontier(found: list[tuple[float, Shape, int | None, str]]) -> tuple[_Optio
     return tuple(kept)
 
 
+def _options(found: list[tuple[float, Shape, int | None, str]]) -> _Options:
+    """The options of one (range, sub-mesh) that can be chosen (``_frontier``), from its feasible ones."""
+    return _Options((_Option(*found[0]),)) if len(found) == 1 else _Options(_frontier(found))
+
+
 def _profile(
     stage_cost: StageCostFn, L: int, shapes: list[Shape], stats: dict[str, int] | None = None,
     range_costs: RangeCostFn | None = None,
@@ -322,10 +328,8 @@ def _profile(
                                 continue
                             limit = int(limit)
                         found.append((float(cost.time), logical, limit, cost.variant))
-                if len(found) == 1:
-                    table[(start, end, shape)] = _Options((_Option(*found[0]),))
-                elif found:
-                    table[(start, end, shape)] = _Options(_frontier(found))
+                if found:
+                    table[(start, end, shape)] = _options(found)
     if stats is not None:
         stats["no_memory"] = stats.get("no_memory", 0) + no_memory
     return table
@@ -359,10 +363,8 @@ def _profile_ranges(
                     if t == t:  # not NaN
                         limit = limits[start][end]
                         found.append((t, logical, None if limit < 0 else limit, variant))
-                if len(found) == 1:
-                    table[(start, end, shape)] = _Options((_Option(*found[0]),))
-                elif found:
-                    table[(start, end, shape)] = _Options(_frontier(found))
+                if found:
+                    table[(start, end, shape)] = _options(found)
     if stats is not None:
         stats["no_memory"] = stats.get("no_memory", 0) + no_memory
     return table
