@@ -97,12 +97,16 @@ def memory_of(graph: CostGraph, choice: Sequence[int]) -> float:
     return math.fsum(float(m[s]) for m, s in zip(graph.node_memory, choice))
 
 
+ILP_TIME_LIMIT = 60.0
+"""Seconds one CBC run may take before its best plan so far is taken (a heuristic's where it has none)."""
+
+
 def solve(
     graph: CostGraph,
     *,
     allowed: Mapping[int, Collection[int]] | None = None,
     memory_budget: float | None = None,
-    time_limit: float = 60.0,
+    time_limit: float = ILP_TIME_LIMIT,
     reduce: bool = True,
 ) -> ILPSolution:
     """Minimise eq. 1 of the Alpa paper; ``allowed`` pins nodes to subsets of strategies.

@@ -28,7 +28,7 @@ from alpa_lab.cost.cluster import LogicalMesh
 from alpa_lab.graph.analysis import classify_arguments, find_aliases
 from alpa_lab.graph.opgraph import Op, OpGraph, Var, did_you_mean
 from alpa_lab.graph.trace import param_signature
-from alpa_lab.passes.ilp import CostGraph, ILPSolution, InfeasibleError, solve
+from alpa_lab.passes.ilp import ILP_TIME_LIMIT, CostGraph, ILPSolution, InfeasibleError, solve
 from alpa_lab.plan import Alternative, Explanation, PinError, Plan  # PinError: defined with the plan, raised here too
 from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.rules import has_rule, is_follower, planned_strategies
@@ -599,7 +599,7 @@ def solve_strategy_graph(
     *,
     restrictions: Mapping[str, Collection[str]] | None = None,
     memory_budget: float | None = None,
-    time_limit: float = 60.0,
+    time_limit: float = ILP_TIME_LIMIT,
 ) -> IntraOpSolution:
     """Choose a strategy for every node.
 
