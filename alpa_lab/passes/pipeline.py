@@ -1250,8 +1250,11 @@ def plan_pipeline(
     def wants_savers(start: int, submesh: Shape, fast: LayerCost) -> bool:
         """Where the fastest plan (often replicated weights) may not hold the micro-batches of the
         earliest position this stage can take, the DP is offered the memory-saving layouts too."""
-        need = rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
-        return method == "alpa" and _fits(fast, memory) is not None and _fits(fast, memory) < need
+        return method == "alpa" and _fits(fast, memory) is not None and _fits(fast, memory) < need(start, submesh)
+
+    def need(start: int, submesh: Shape) -> int:
+        """The micro-batches in flight at the earliest position a stage starting at layer ``start`` can take."""
+        return rule(min(problem.slicing.num_layers - start, N * M - submesh[0] * submesh[1] + 1))
 
     def savers_on(submesh: Shape, logical: Shape) -> tuple[str, ...]:
         """The layouts ``cost`` will ask for on this mesh besides ``method`` (longest stages first: they fail first)."""
@@ -1271,25 +1274,18 @@ def plan_pipeline(
         report()
         L = problem.slicing.num_layers
         send = problem.send_seconds_table(submesh) if transfers else 0.0
-        time, weights, activations, feasible = problem.range_costs(submesh, logical, method)
-        limit = ranges_fits(weights, activations)
-        found = [RangeCosts(np.where(feasible, time + send, np.nan), limit, method)]
+        seconds, weights, activations, feasible = problem.range_costs(submesh, logical, method)
+        limit = _fits_ranges(weights, activations, memory)
+        found = [RangeCosts(np.where(feasible, seconds + send, np.nan), limit, method)]
         if method == "alpa":
-            need = [rule(min(L - start, N * M - submesh[0] * submesh[1] + 1)) for start in range(L)] + [0]
-            savers = feasible & (limit != -1) & (limit < np.asarray(need)[:, None])
+            needs = np.asarray([need(start, submesh) for start in range(L)] + [0])
+            savers = feasible & (limit != -1) & (limit < needs[:, None])
             if np.triu(savers, 1).any():
                 for saver in MEMORY_SAVING_METHODS:
-                    time, weights, activations, feasible = problem.range_costs(submesh, logical, saver)
-                    found.append(RangeCosts(np.where(savers & feasible, time + send, np.nan),
-                                            ranges_fits(weights, activations), saver))
+                    seconds, weights, activations, feasible = problem.range_costs(submesh, logical, saver)
+                    found.append(RangeCosts(np.where(savers & feasible, seconds + send, np.nan),
+                                            _fits_ranges(weights, activations, memory), saver))
         return found
-
-    def ranges_fits(weights: np.ndarray, activations: np.ndarray) -> np.ndarray:
-        """``_fits`` on arrays (-1: no limit)."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            held = np.floor((memory - weights) / np.where(activations == 0, 1.0, activations))
-        held = np.minimum(held, 2.0**62).astype(np.int64)  # more micro-batches than any schedule holds
-        return np.where(weights > memory, 0, np.where(activations == 0, -1, held))
 
     rule = in_flight_rule(schedule, num_microbatches)
     profiled: dict = {}  # the DP's table of stage costs, profiled once for every stage-count cap
@@ -1540,6 +1536,14 @@ def _fits(c: LayerCost, memory: float) -> int | None:
     if c.weight_memory > memory:
         return 0
     return math.floor((memory - c.weight_memory) / c.activation_memory) if c.activation_memory else None
+
+
+def _fits_ranges(weights: np.ndarray, activations: np.ndarray, memory: float) -> np.ndarray:
+    """``_fits`` on arrays of weight and activation memory (-1: no limit)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        held = np.floor((memory - weights) / np.where(activations == 0, 1.0, activations))
+    held = np.minimum(held, 2.0**62).astype(np.int64)  # more micro-batches than any schedule holds
+    return np.where(weights > memory, 0, np.where(activations == 0, -1, held))
 
 
 def in_flight_rule(schedule: str, num_microbatches: int) -> Callable[[int], int]:
