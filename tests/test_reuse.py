@@ -161,9 +161,19 @@ def test_the_check_of_alternate_tying_costs_at_most_the_solve_it_checks_and_neve
     assert solved.solution.objective <= tied * (1 + 1e-9)  # kept only where better (with the floor, it finds `free`:
     # test_tying_keeps_the_megatron_alternation_of_a_stack_of_identical_layers)
     # a check with no time (CBC stops at once, with a heuristic's plan at best): the tied plan stands, never a worse one
+    # (what CBC finds in 1 ms depends on this machine's load: the oracle is the tied period's own result in this call)
     calls.clear()
+    periods = []
+    real_method = methods.solve_method
+
+    def recorded(sg, *a, **kw):
+        out = real_method(sg, *a, **kw)
+        periods.append((sg.tie_period, out.solution.objective))
+        return out
+
+    monkeypatch.setattr(methods, "solve_method", recorded)
     monkeypatch.setattr(methods, "ILP_TIME_LIMIT", 1e-3)
-    tied_only = solve_strategy_graph(build_strategy_graph(graph, mesh, tie_period=1), time_limit=1e-3).objective
     sg, solved = methods.solve_tied(lambda p: build_strategy_graph(graph, mesh, tie_period=p), "alpa")
     assert [limit for _, limit, _ in calls] and all(limit <= 1e-3 for _, limit, _ in calls)
-    assert solved.solution.objective <= tied_only * (1 + 1e-9) + 1e-15
+    assert [p for p, _ in periods] == [1, 2]
+    assert solved.solution.objective in [o for _, o in periods] and solved.solution.objective <= periods[0][1]
