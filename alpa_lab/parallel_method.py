@@ -51,6 +51,7 @@ __all__ = [
     "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
+    "get_3d_parallel_method",
 ]
 
 
@@ -626,6 +627,55 @@ class PipeshardParallel(ParallelMethod):
                 f"stage_option must be 'auto', 'uniform', AutoStageOption(), ManualStageOption(...) or "
                 f"UniformStageOption(...), got {stage!r}")
         return out
+
+
+def get_3d_parallel_method(
+    num_micro_batches: int, data_parallel: int, operator_parallel: int, pipeline_parallel: int,
+    allow_degenerate_into_shard_parallel: bool = True, manual_layer_num: int | None = None,
+    manual_sharding_option: Any = None,
+) -> PipeshardParallel:
+    """Alpa's 3-D parallelism by hand: ``pipeline_parallel`` stages of equal sub-meshes, each viewed as a
+    ``data_parallel`` x ``operator_parallel`` logical mesh with the batch on its axis 0 (``data_parallel=-1``: the
+    devices left over). Layers: ``pipeline_parallel`` of them, one per stage; or, with ``manual_layer_num``, your
+    ``mark_pipeline_boundary()`` layers (a multiple of the stages) grouped into stages of balanced FLOPs.
+
+    The devices are those steps without a ``cluster=`` plan for (``init("ray")``'s cluster, else this process's),
+    as Alpa's global mesh. Each stage's physical sub-mesh is the cluster's even split (whole hosts, or part of
+    one), as Alpa's. With one stage, Alpa returns a ``ShardParallel`` on a ``data_parallel`` x
+    ``operator_parallel`` logical mesh; here it is that mesh as a one-stage pipeline (gradient accumulation
+    over ``num_micro_batches``), priced by the cluster's own links, not by Alpa's unit alpha-beta costs
+    (``allow_degenerate_into_shard_parallel`` therefore changes nothing).
+    """
+    from alpa_lab.api import get_global_num_devices  # at call time, as Alpa reads its global mesh
+
+    sizes = {"data_parallel": data_parallel, "operator_parallel": operator_parallel, "pipeline_parallel": pipeline_parallel}
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or (n < 1 and not (name == "data_parallel" and n == -1)):
+            raise MethodOptionError(f"get_3d_parallel_method({name}=...) must be a positive integer"
+                                    f"{' or -1 (the devices left over)' if name == 'data_parallel' else ''}, got {n!r}")
+    devices = get_global_num_devices()
+    if data_parallel == -1:
+        if devices % (operator_parallel * pipeline_parallel):
+            raise MethodOptionError(f"get_3d_parallel_method(data_parallel=-1): {devices} devices do not split into "
+                                    f"{operator_parallel} x {pipeline_parallel} (operator x pipeline) parallel groups")
+        data_parallel = devices // (operator_parallel * pipeline_parallel)
+    if data_parallel * operator_parallel * pipeline_parallel != devices:
+        raise MethodOptionError(
+            f"get_3d_parallel_method: data x operator x pipeline parallel = {data_parallel} x {operator_parallel} x "
+            f"{pipeline_parallel} = {data_parallel * operator_parallel * pipeline_parallel} devices, but there are "
+            f"{devices} (pass data_parallel=-1 to use the rest)")
+    stage = UniformStageOption(pipeline_parallel, None, (data_parallel, operator_parallel), {})
+    if manual_layer_num is not None:
+        if manual_layer_num % pipeline_parallel:
+            raise MethodOptionError(f"get_3d_parallel_method(manual_layer_num={manual_layer_num}) must be a multiple of "
+                                    f"pipeline_parallel={pipeline_parallel}: each stage gets as many of your layers")
+        layer: Any = ManualLayerOption()
+    else:
+        layer = AutoLayerOption(layer_num=pipeline_parallel, eps=0.1)
+    return PipeshardParallel(
+        num_micro_batches=num_micro_batches,
+        default_auto_sharding_option=AutoShardingOption(prefer_reduce_scatter=True, force_batch_dim_to_mesh_dim=0),
+        layer_option=layer, stage_option=stage, manual_sharding_option=manual_sharding_option)
 
 
 class ManualPipeshardParallel(PipeshardParallel):

@@ -175,13 +175,15 @@ def test_calibrated_stage_times_are_of_the_measured_order(calibrated):
 
 
 def test_a_tensor_between_meshes_is_priced_at_what_it_costs_here(calibrated):
-    """Each tensor a stage gets from another mesh costs the in-process runtime a put and its wait: 0.3-1 ms here,
+    """Each tensor a stage gets from another mesh costs the in-process runtime a put and its wait: 0.3-0.8 ms here,
     which the model priced at its bytes alone (1-20 us) before ``calibrate`` measured ``transfer_overhead`` (a 1 KiB
-    tile per device put from one half of the devices onto the other). Oracle: the runtime's own RECV spans (each
-    tensor from its put to its arrival) of the tiny GPT, against the dashboard's price of a message.
+    tile per device put from one half of the devices onto the other, after they idled, as a waiting stage's have).
+    Oracle: the runtime's own RECV spans (each tensor timed alone, from its put to its arrival) of the tiny GPT,
+    against the dashboard's price of a message.
 
-    Measured here, calibrated, 0.16-0.48 of the measured median (the runtime's tensors are larger and resharded on
-    the way); with the overhead left at 0, 0.01-0.02. The bound sits between the two, so the check fails without it.
+    Measured here, calibrated, 0.62-1.42 of the measured median (0.16-0.48 when the overhead was timed back to back
+    and a message's span held the puts issued beside it); with the overhead left at 0, 0.01-0.06. The bounds sit
+    between, so the check fails without the overhead, and with it timed as before.
     """
     import dataclasses
 
@@ -203,7 +205,7 @@ def test_a_tensor_between_meshes_is_priced_at_what_it_costs_here(calibrated):
     assert set(received) == {0, 1}  # activations into stage 1, their gradients back into stage 0
     parts = pipeline_parts(plan, {s: [n for n, _ in v] for s, v in received.items()})
     measured = {s: statistics.median(t for _, t in v) for s, v in received.items()}
-    for cluster, low, high in ((calibrated, 0.05, 3.0), (dataclasses.replace(calibrated, transfer_overhead=0.0), 0.0, 0.05)):
+    for cluster, low, high in ((calibrated, 0.3, 3.0), (dataclasses.replace(calibrated, transfer_overhead=0.0), 0.0, 0.1)):
         ratios = [parts[(s, "TRANSFER", "")].seconds(cluster) / measured[s] for s in (0, 1)]
         assert low < statistics.median(ratios) < high, (cluster.transfer_overhead, ratios)
 

@@ -464,3 +464,37 @@ def test_a_stage_reading_only_activations_keeps_its_batch_on_the_forced_axis(clu
     assert [bool(st.plan.problem.batch_vars) for st in plan.stages] == [True, False, False, True]
     assert [set(stage_batch_splits(st, 8).values()) for st in plan.stages] == [{(0,)}] * 4
     same_params(step(state, batch), jax.jit(plain)(state, batch))
+
+
+def test_alpas_3d_parallel_method_is_equal_stages_with_the_batch_on_axis_0(mlp):
+    """Alpa's ``get_3d_parallel_method(num_micro_batches, data_parallel, operator_parallel, pipeline_parallel)`` on this
+    process's 8 devices: ``pipeline_parallel`` stages on equal sub-meshes, each viewed as data x operator with the batch
+    over axis 0; ``data_parallel=-1`` takes what the devices leave. Oracles: the stages the arguments spell out, the
+    batch-dimension analysis on each stage's chosen strategies, jax.jit's numerics."""
+    step = al.parallelize(mlp.train_step, method=al.get_3d_parallel_method(4, 2, 2, 2))
+    plan = step.plan(*mlp.args)
+    assert stages_of(plan) == [((0, 1), (1, 4), (2, 2)), ((1, 2), (1, 4), (2, 2))] and plan.num_microbatches == 4
+    assert [st.plan.batch_mesh_axis for st in plan.stages] == [0, 0] and plan.stage_pins
+    close_to_jit(step, mlp)
+    one = al.parallelize(mlp.train_step, method=al.get_3d_parallel_method(2, -1, 4, 1)).plan(*mlp.args)
+    assert stages_of(one) == [((0, 1), (1, 8), (2, 4))] and one.num_microbatches == 2
+    # your boundaries (4 layers) grouped into 2 stages; every batch-carrying op of each splits the batch over axis 0
+    train_step, plain, state, batch = boundaried()
+    step = al.parallelize(train_step, method=al.get_3d_parallel_method(4, 2, 2, 2, manual_layer_num=4))
+    plan = step.plan(state, batch)
+    assert [st.layers for st in plan.stages] == [(0, 2), (2, 4)] and {st.logical_shape for st in plan.stages} == {(2, 2)}
+    assert [set(stage_batch_splits(st, 8).values()) for st in plan.stages] == [{(0,)}, {(0,)}]
+    same_params(step(state, batch), jax.jit(plain)(state, batch))
+
+
+@pytest.mark.parametrize("args, match", [
+    ((4, 3, 2, 2), r"3 x 2 x 2 = 12 devices, but there are 8 \(pass data_parallel=-1"),
+    ((4, -1, 3, 2), r"data_parallel=-1\): 8 devices do not split into 3 x 2"),
+    ((4, 2, 0, 2), r"operator_parallel=\.\.\.\) must be a positive integer, got 0"),
+    ((4, 2, 2, 2.0), r"pipeline_parallel=\.\.\.\) must be a positive integer, got 2.0"),
+])
+def test_bad_3d_parallel_sizes_say_what_is_wrong(args, match):
+    with pytest.raises(MethodOptionError, match=match):
+        al.get_3d_parallel_method(*args)
+    with pytest.raises(MethodOptionError, match=r"manual_layer_num=3\) must be a multiple of pipeline_parallel=2"):
+        al.get_3d_parallel_method(4, 2, 2, 2, manual_layer_num=3)

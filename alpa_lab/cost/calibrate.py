@@ -25,8 +25,9 @@ them at once* (so devices that share cores are measured sharing them), and retur
 - ``host_to_device_bandwidth``: a batch-sized host array put on the devices, each device
   receiving its tile (what the planner charges a batch argument every step).
 - ``transfer_overhead``: a small tensor put from one half of the devices onto the other and
-  waited for, less its bytes: the fixed cost of each tensor a stage gets from another mesh in
-  this process (``RayCluster.calibrate`` measures it between mesh workers instead).
+  waited for, after the devices idled a moment, less its bytes: the fixed cost of each tensor a
+  stage gets from another mesh in this process, whose devices have waited for it
+  (``RayCluster.calibrate`` measures it between mesh workers instead).
 
 The sizes depend on the platform (``_SIZES``): simulated CPU devices are measured at the sizes
 a small model's tensors have (in cache, sharing the host's cores), an accelerator at sizes
@@ -174,8 +175,9 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         raise ClusterError(f"the calibration file {str(path)!r} has other fields than expected ({e}); calibrate again") from e
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, warm_up: float = 0.0) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, after one run (compiling it) and ``warm_up`` seconds more."""
+def _median_seconds(fn: Callable[[], Any], repeats: int, warm_up: float = 0.0, pause: float = 0.0) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one run (compiling it) and ``warm_up`` seconds more;
+    ``pause`` seconds idle (not timed) before each run."""
     import jax
 
     jax.block_until_ready(fn())  # compile and warm up
@@ -184,6 +186,8 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, warm_up: float = 0.0) -
         jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
+        if pause:
+            time.sleep(pause)
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
@@ -356,15 +360,21 @@ def calibrate(devices: list | None = None, *, repeats: int = 7, hosts: int = 1) 
     )
 
 
+MESSAGE_PAUSE = 2e-3
+"""Seconds the devices idle before each timed message (``_transfer_overhead``)."""
+
+
 def _transfer_overhead(devices: list, bandwidth: float, repeats: int) -> float | None:
     """Seconds one cross-mesh message costs beyond its bytes, between the two halves of ``devices`` (None: fewer
     than two devices, or an odd count).
 
     A 1 KiB tile per device, split over the first half of the devices, put onto the second half in the same
     layout and waited for: what the in-process runtime does with each tensor a stage gets from another mesh
-    (``runtime.pipeline``), less its bytes over the link. On simulated CPU devices here it measures 0.13-0.18 ms,
-    and the runtime's own tensors (larger, resharded on the way) 0.3-1 ms; priced at their bytes alone
-    (microseconds), as before this was measured, every boundary of an in-process plan was predicted 100x too fast.
+    (``runtime.pipeline``), less its bytes over the link. Each put follows ``MESSAGE_PAUSE`` of idle devices, as
+    a RECV follows a wait in a pipeline: simulated CPU devices' threads sleep when idle, and a put onto them then
+    costs 0.4 ms here, against 0.09 ms back to back. The runtime's own messages, each timed alone, measure
+    0.23-0.77 ms (medians per mesh of the four tiny models); timed back to back, the overhead predicted them 3-6x
+    too fast, and priced at their bytes alone (microseconds), 100x.
     """
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -377,7 +387,7 @@ def _transfer_overhead(devices: list, bandwidth: float, repeats: int) -> float |
     src, dst = (NamedSharding(m, PartitionSpec(("x", "y"))) for m in meshes)
     elems = 256 * half  # 1 KiB of float32 per device
     x = jax.device_put(np.random.default_rng(4).standard_normal((elems,), dtype=np.float32), src)
-    seconds = _median_seconds(lambda: jax.device_put(x, dst), 20 * repeats)
+    seconds = _median_seconds(lambda: jax.device_put(x, dst), 20 * repeats, pause=MESSAGE_PAUSE)
     return max(seconds - 4 * 256 / bandwidth, 0.0)
 
 

@@ -84,7 +84,8 @@ class CompiledPipeline:
     step (each device's shard, counted from the arrays: what the Traffic view predicts from the unit tasks)."""
     profile: bool = False
     """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
-    or transfer times."""
+    or transfer times; and for each tensor from another mesh on its own, as a mesh worker's RECV (its span is its
+    transfer, not the puts issued beside it)."""
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
@@ -319,10 +320,15 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         value = step_values[v] if mb < 0 else store[(v, mb)]
         key = (v, mb, stage)
         if key not in placed:
-            sent = time.perf_counter() if cp.profile else 0.0
-            placed[key] = put(value, sharding)  # SEND/RECV when the meshes differ
-            if cp.profile and _devices(value) != set(sharding.device_set):
-                received.append((v, placed[key], sent))
+            crosses = cp.profile and _devices(value) != set(sharding.device_set)  # a SEND/RECV
+            if crosses and mb >= 0:  # a micro-batch's, timed alone: its span is its transfer, as a mesh worker's RECV
+                jax.block_until_ready(value)
+                sent = time.perf_counter()
+                placed[key] = jax.block_until_ready(put(value, sharding))
+                transfers.append((stage, v, mb, var.nbytes, sent - t0, time.perf_counter() - t0))
+            else:
+                placed[key] = put(value, sharding)
+            if crosses:
                 land(cp.stage_of_tensor[v], stage, placed[key])
         return placed[key]
 
@@ -336,7 +342,6 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     left = {}  # (var, micro-batch) -> reads still to come; at 0 the tensor is freed (FREE)
     records: list[tuple[int, str, int, float, float]] = []  # (stage, phase, micro-batch, start, end)
     transfers: list[tuple[int, int, int, int, float, float]] = []  # (stage, var, micro-batch, bytes, start, end): RECVs
-    received: list[tuple[int, Any, float]] = []  # profiled: what the task being fetched gets from another mesh, sent when
     link_bytes: dict[tuple[int, int], int] = {}  # profiled: (sending stage, receiving stage) -> bytes received this step
 
     def ready(s: int, phase: str, mb: int) -> bool:
@@ -344,12 +349,8 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
 
     def execute(s: int, phase: str, mb: int) -> None:
         task = cp.tasks[(s, phase)]
-        received.clear()
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
         if cp.profile:  # the record is the RUN alone, as the plan prices it: the puts above (RECVs) have arrived
-            for v, x, sent in received:  # each tensor from another mesh, from its send to its arrival (a mesh worker's RECV)
-                jax.block_until_ready(x)
-                transfers.append((s, v, mb, graph.vars[v].nbytes, sent - t0, time.perf_counter() - t0))
             jax.block_until_ready(ins)
         t = time.perf_counter()
         outs = task.fn(*ins)
