@@ -10,6 +10,7 @@ stage, so every view takes both kinds of plan.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
@@ -431,6 +432,7 @@ class StrategyRow:
 _INSTANCE = re.compile(r"^(?:\w+\()*([^()]*?/[A-Za-z][A-Za-z0-9]*_\d+)(?:/|\)|$)")
 
 
+@functools.lru_cache(maxsize=65536)  # every redraw asks again for each op's label: the same few thousand
 def block_of(label: str) -> str:
     """The first numbered module on ``label``'s path: ``jvp(GPT/Block_3/attn)`` -> ``GPT/Block_3``."""
     m = _INSTANCE.match(label)
@@ -644,6 +646,7 @@ def device_blocks(ov: Overview) -> tuple[DeviceBlock, ...]:
 # ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)  # a program graph asks for each op's, several times per redraw
 def sharding_key(spec: str) -> str:
     """The colour key of a layout: which mesh axes split the tensor, not on which of its dims.
 
@@ -859,7 +862,7 @@ def _cross_mesh(plan: PipelinePlan, stage_of: Mapping[str, int]) -> list[tuple[s
     problem = plan.problem
     graph, sl = problem.graph, problem.slicing
     cluster = getattr(problem, "cluster", None) or ClusterSpec(**plan.cluster)
-    readers = graph.consumers()
+    readers = getattr(problem, "consumers", None) or graph.consumers()
     made = {v: o for o, v in graph.state_carries()}
     out = []
     for t in pipeline_transfers(plan):
@@ -914,7 +917,10 @@ def program_graph(plan: Plan | PipelinePlan, max_nodes: int = 150) -> ProgramGra
     edge_data: dict[tuple[str, str], dict[str, Any]] = {}
 
     def edge(src: str, dst: str) -> dict[str, Any]:
-        return edge_data.setdefault((src, dst), {"tensors": [], "resharding": 0.0, "nbytes": 0, "seconds": 0.0, "phase": ""})
+        e = edge_data.get((src, dst))
+        if e is None:
+            e = edge_data[(src, dst)] = {"tensors": [], "resharding": 0.0, "nbytes": 0, "seconds": 0.0, "phase": ""}
+        return e
 
     deps = [(a, b, t) for a, b, t in _dependencies(plan) if a in rec and b in rec]
     for a, b, t in deps:

@@ -18,7 +18,7 @@ tasks behind each figure.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +75,12 @@ def stage_transfers(
     *,
     devices_per_host: int | None = None,
     pieces: Sequence[Subgraph] | None = None,
+    consumers: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[StageTransfer, ...]:
     """Every tensor read by a stage other than its producer's, in program order of first read.
 
-    ``pieces``: the stages' programs if already cut (``PipelineProblem.piece``)."""
+    ``pieces``: the stages' programs if already cut (``PipelineProblem.piece``); ``consumers``: the graph's
+    (``graph.consumers()``) if already known."""
     stage_of_op = slicing.stage_of_ops([st.layers for st in stages])
     specs = stage_tensor_specs(graph, slicing, stages, pieces)
     # (var, dst, when) -> (var as made, src, phase); when: 0 per micro-batch, 1 once per step, 2 new state
@@ -91,7 +93,7 @@ def stage_transfers(
             if p is None or stage_of_op[p] == dst or (v, dst, int(once)) in found:
                 continue
             found[(v, dst, int(once))] = (v, stage_of_op[p], APPLY if once else slicing.phase[p])
-    readers = graph.consumers()
+    readers = consumers or graph.consumers()
     for o, v in graph.state_carries():
         p = graph.vars[o].producer
         if p is None:
@@ -120,7 +122,8 @@ def pipeline_transfers(plan: Any) -> tuple[StageTransfer, ...]:
         raise PlanFormatError("this pipeline plan has no planner state attached (a loaded plan?); re-plan it with its step")
     pieces = [problem.piece(st.layers) for st in plan.stages]
     return stage_transfers(
-        problem.graph, problem.slicing, plan.stages, devices_per_host=problem.cluster.devices_per_host, pieces=pieces
+        problem.graph, problem.slicing, plan.stages, devices_per_host=problem.cluster.devices_per_host, pieces=pieces,
+        consumers=problem.consumers or None,
     )
 
 
