@@ -316,15 +316,16 @@ def main() -> None:
                         help="checkpoint every layer (jax.checkpoint), as the paper's benchmarks did (default on)")
     args = parser.parse_args()
     rows = args.rows.split(",")
-    unknown = sorted(set(args.models.split(",")) - {"gpt", "wresnet"})
-    unknown_rows = sorted(set(rows) - set(GPT_ROWS) - set(WRN_ROWS))
+    tables = {"gpt": GPT_ROWS, "wresnet": WRN_ROWS}
+    unknown = sorted(set(args.models.split(",")) - set(tables))
+    unknown_rows = sorted(set(rows) - {name for table in tables.values() for name in table})
     if unknown or unknown_rows:
-        parser.error(f"unknown --models {unknown} (choose from gpt, wresnet) or --rows {unknown_rows} "
-                     f"(choose from {', '.join([*GPT_ROWS, *WRN_ROWS])})")
+        parser.error(f"unknown --models {unknown} (choose from {', '.join(tables)}) or --rows {unknown_rows} "
+                     f"(choose from {', '.join(name for table in tables.values() for name in table)})")
     print("Two-level planning on p3.16xlarge hosts (V100 16 GB, NVLink inside a host, 25 Gb/s across), 1F1B, "
           f"{'per-layer remat' if args.remat else 'no remat'}; DP over {args.submesh_space} sub-meshes, "
           f"{args.logical_meshes} logical meshes (Alpa's defaults: power_of_two, single_node_model_parallel)")
-    for kind, table in (("gpt", GPT_ROWS), ("wresnet", WRN_ROWS)):
+    for kind, table in tables.items():
         if kind not in args.models.split(","):
             continue
         for name, row in table.items():

@@ -487,14 +487,13 @@ def test_alpas_3d_parallel_method_is_equal_stages_with_the_batch_on_axis_0(mlp):
     same_params(step(state, batch), jax.jit(plain)(state, batch))
 
 
-@pytest.mark.parametrize("args, match", [
-    ((4, 3, 2, 2), r"3 x 2 x 2 = 12 devices, but there are 8 \(pass data_parallel=-1"),
-    ((4, -1, 3, 2), r"data_parallel=-1\): 8 devices do not split into 3 x 2"),
-    ((4, 2, 0, 2), r"operator_parallel=\.\.\.\) must be a positive integer, got 0"),
-    ((4, 2, 2, 2.0), r"pipeline_parallel=\.\.\.\) must be a positive integer, got 2.0"),
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((4, 3, 2, 2), {}, r"3 x 2 x 2 = 12 devices, but there are 8 \(pass data_parallel=-1"),
+    ((4, -1, 3, 2), {}, r"data_parallel=-1\): 8 devices do not split into 3 x 2"),
+    ((4, 2, 0, 2), {}, r"operator_parallel=\.\.\.\) must be a positive integer, got 0"),
+    ((4, 2, 2, 2.0), {}, r"pipeline_parallel=\.\.\.\) must be a positive integer, got 2.0"),
+    ((4, 2, 2, 2), {"manual_layer_num": 3}, r"manual_layer_num=3\) must be a multiple of pipeline_parallel=2"),
 ])
-def test_bad_3d_parallel_sizes_say_what_is_wrong(args, match):
+def test_bad_3d_parallel_sizes_say_what_is_wrong(args, kwargs, match):
     with pytest.raises(MethodOptionError, match=match):
-        al.get_3d_parallel_method(*args)
-    with pytest.raises(MethodOptionError, match=r"manual_layer_num=3\) must be a multiple of pipeline_parallel=2"):
-        al.get_3d_parallel_method(4, 2, 2, 2, manual_layer_num=3)
+        al.get_3d_parallel_method(*args, **kwargs)
