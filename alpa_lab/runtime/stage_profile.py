@@ -3,7 +3,7 @@
 The analytic model prices a stage from FLOPs, bytes and link speeds; this one runs it. The
 stages the planner chose are compiled exactly as the runtime will run them
 (``runtime.pipeline.compile_pipeline``: the same unit tasks, shardings and sub-meshes), fed
-zeros of the right shapes, and timed (the median of a few runs after a warm-up); a stage's
+zeros of the right shapes, and timed (the median of 5-50 runs after a warm-up: ``PROFILE_SECONDS``); a stage's
 forward, backward (for zero-bubble schedules B and W) and update times replace the analytic
 ones, and the schedule is simulated again with them. A unit task is timed as the runtime's RUN
 instruction runs it: its program, then the program that adds the tensors it makes every
@@ -35,6 +35,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -52,6 +53,13 @@ from alpa_lab.graph.opgraph import key_impl
 __all__ = ["hardware_key", "profile_cache_path", "stage_timer", "time_stages"]
 
 REPEATS = 5
+"""rounds of timed runs at least (each task once per round)"""
+MAX_REPEATS = 50
+"""rounds at most: what short tasks get, so that their median is not one noisy sample of five"""
+PROFILE_SECONDS = 0.25
+"""the timed rounds last about this long together, within [REPEATS, MAX_REPEATS] rounds: a task of 0.5 ms on a
+busy 2-core machine varies by 2x run to run, so five runs of it gave medians 1.5-2.3x the runtime's (a 1 s GPU
+stage keeps its five)"""
 
 
 def profile_cache_path() -> Path:
@@ -159,8 +167,9 @@ def _example(var: Any) -> Any:
     return np.zeros(var.shape, dtype=var.dtype)
 
 
-TIMING = "run+sums/2"
-"""what a cached timing is of, in its key: a timing taken another way (the program alone, back to back) is not reused"""
+TIMING = "run+sums/3"
+"""what a cached timing is of, in its key: a timing taken another way (the program alone, back to back, or the
+median of five runs however short) is not reused"""
 
 
 class _Timed:
@@ -207,7 +216,8 @@ class _Timed:
 
 def _time_tasks(tasks: Sequence[Any], graph: Any, accumulated: frozenset[int], repeats: int, cache: dict[str, float],
                 hardware: str) -> list[float]:
-    """Median seconds of each unit task's RUN on its mesh (cached ones from ``cache``), the uncached timed in turns.
+    """Median seconds of each unit task's RUN on its mesh (cached ones from ``cache``), the uncached timed in turns:
+    at least ``repeats`` rounds, more (to ``MAX_REPEATS``) while they fill less than ``PROFILE_SECONDS``.
 
     ``hardware``: the ``hardware_key`` of the process's devices; each task's own mesh (its device count) is in
     its lowered program and added to the key here too.
@@ -219,7 +229,11 @@ def _time_tasks(tasks: Sequence[Any], graph: Any, accumulated: frozenset[int], r
         timed[i].run()
         timed[i].run()
     seconds: dict[int, list[float]] = {i: [] for i in todo}
-    for _ in range(repeats):  # in turns: each run follows another task's, not a run of itself
+    for i in todo:  # the first round says how many fit in PROFILE_SECONDS
+        seconds[i].append(timed[i].run())
+    per_round = sum(seconds[i][0] for i in todo)
+    rounds = max(repeats, min(MAX_REPEATS, math.ceil(PROFILE_SECONDS / per_round))) if per_round > 0 else repeats
+    for _ in range(rounds - 1):  # in turns: each run follows another task's, not a run of itself
         for i in todo:
             seconds[i].append(timed[i].run())
     for i in todo:
