@@ -123,6 +123,10 @@ def test_launch_runs_in_the_background_and_the_dashboard_shows_the_run(mlp):
     assert "finished" in html and "<script" not in html and "samples/s" in html and "plan (eq. 5)" in html
     # the workbench's timeline and measured table follow the run
     assert len(wb.measured_steps) == 6 and "measured against predicted" in wb.measured_html.value
+    # a run in this process ran one unit task at a time: its step is set beside the plan's step so
+    assert "one unit task at a time (this process)" in wb.measured_html.value
+    assert render._ms(plan.serial_step_time) in wb.measured_html.value
+    assert "one unit task at a time, as this process runs them" in html
 
 
 def median_bounds(window: list[float], n: int) -> tuple[float, float]:

@@ -100,6 +100,9 @@ class Profile:
     """median step time (the first, compiling, step left out when there are others)"""
     collectives: Mapping[str, float] = field(default_factory=dict)
     """predicted seconds per collective kind per step, over the plan (the share of ``communication``)"""
+    step_serial_predicted: float = 0.0
+    """for a run that ran its unit tasks one at a time (the in-process runtime, profiled), the plan's step so
+    (``PipelinePlan.serial_step_time``), the like-for-like figure for ``step_measured``; 0 otherwise"""
 
     # ----- the fit ------------------------------------------------------------------------
     def fit(self, prior_weight: float = 1e-3) -> Fit:
@@ -156,7 +159,10 @@ class Profile:
     def __str__(self) -> str:
         lines = [
             f"Profile of plan {self.fingerprint} over {self.steps} steps: step {self.step_measured * 1e3:.3f} ms measured, "
-            f"{self.step_predicted * 1e3:.3f} ms predicted",
+            f"{self.step_predicted * 1e3:.3f} ms predicted" + (
+                f" with the meshes at work at once; {self.step_serial_predicted * 1e3:.3f} ms with one unit task at a time, "
+                f"as this process ran them ({self.step_measured / self.step_serial_predicted:.2f}x)"
+                if self.step_serial_predicted > 0 else ""),
             f"  {'span':<22} {'predicted ms':>13} {'measured ms':>12} {'ratio':>7} {'n':>5}",
         ]
         for r in self.rows:
@@ -193,7 +199,7 @@ class Profile:
             return cls(
                 fingerprint=str(d["fingerprint"]), cluster_spec=dict(d["cluster_spec"]), rows=rows, steps=int(d["steps"]),
                 step_predicted=float(d["step_predicted"]), step_measured=float(d["step_measured"]),
-                collectives=dict(d.get("collectives", {})),
+                collectives=dict(d.get("collectives", {})), step_serial_predicted=float(d.get("step_serial_predicted", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"profile JSON is missing or has malformed fields: {e}") from e

@@ -90,6 +90,8 @@ class DashboardState:
     ray_dashboard: str
     steps: tuple[tuple[int, float, float | None], ...]
     """(step, seconds, loss) of the recent steps, for the charts"""
+    serial_step_time: float = 0.0
+    """the plan's step with one unit task at a time, where the run ran so (in this process); 0 otherwise"""
 
 
 def _predicted_memory(plan: Any) -> dict[int, float]:
@@ -128,7 +130,7 @@ def dashboard_state(run: Any, snap: MonitorSnapshot | None = None) -> DashboardS
     else:
         links = ()
     try:
-        costs = profile(plan, run.monitor).rows
+        costs = profile(plan, run.monitor, serial=not run.on_ray).rows
     except ProfileError:
         costs = ()
     url = getattr(getattr(run.step, "ray_cluster", None), "dashboard_url", "") or ""
@@ -149,6 +151,7 @@ def dashboard_state(run: Any, snap: MonitorSnapshot | None = None) -> DashboardS
         costs=costs,
         ray_dashboard=url,
         steps=tuple((r.step, r.seconds, r.loss) for r in snap.recent),
+        serial_step_time=plan.serial_step_time if not run.on_ray and isinstance(plan, PipelinePlan) else 0.0,
     )
 
 
@@ -160,10 +163,15 @@ def header_html(s: DashboardState) -> str:
     colour = _STATUS_COLOUR.get(s.status, "#333")
     loss = "-" if s.loss is None else f"{s.loss:.5g}"
     ratio = f" ({s.step_time / s.predicted_step_time:.2f}x)" if s.predicted_step_time > 0 and s.step_time > 0 else ""
+    predicted = f"{render._ms(s.predicted_step_time)} predicted{ratio}"
+    if s.serial_step_time > 0:  # this process runs one unit task at a time: that is the like-for-like figure
+        serial = f" ({s.step_time / s.serial_step_time:.2f}x)" if s.step_time > 0 else ""
+        predicted = (f"{render._ms(s.serial_step_time)} predicted one unit task at a time, as this process runs them{serial}; "
+                     f"{render._ms(s.predicted_step_time)} with every mesh at work at once, as mesh workers run them")
     parts = [
         f'<b style="color:{colour}">{html.escape(s.status)}</b> on {html.escape(s.backend)}',
         f"step {s.steps_done}/{s.steps_total}",
-        f"step time {render._ms(s.step_time)} measured, {render._ms(s.predicted_step_time)} predicted{ratio}",
+        f"step time {render._ms(s.step_time)} measured, {predicted}",
         f"{s.samples_per_second:,.1f} samples/s",
         f"{s.tflops:.4g} TFLOP/s",
         f"loss {loss}",

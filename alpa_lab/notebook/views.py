@@ -260,21 +260,9 @@ class Bar:
 def timeline_bars(plan: PipelinePlan) -> tuple[Bar, ...]:
     """The predicted timeline: every RUN, every cross-mesh transfer, then each stage's update."""
     tl = plan.timeline
-    bars = []
-    sends = {}
-    for r in tl.records:
-        if r.kind == "RUN":
-            bars.append(Bar(r.mesh, r.stage, "RUN", r.phase, r.microbatch, r.start, r.end))
-        elif r.kind == "SEND":
-            sends[(r.stage, r.phase, r.microbatch)] = r
-    for r in tl.records:
-        if r.kind != "RECV":
-            continue
-        peer = r.stage - 1 if r.phase == "forward" else r.stage + 1
-        send = sends.get((peer, r.phase, r.microbatch))
-        if send is not None:
-            arrival = send.start + tl.link_time(min(peer, r.stage))
-            bars.append(Bar(r.mesh, r.stage, "TRANSFER", r.phase, r.microbatch, send.start, arrival, peer=peer))
+    bars = [Bar(r.mesh, r.stage, "RUN", r.phase, r.microbatch, r.start, r.end) for r in tl.records if r.kind == "RUN"]
+    for r, peer, start, arrival in tl.transfers():
+        bars.append(Bar(r.mesh, r.stage, "TRANSFER", r.phase, r.microbatch, start, arrival, peer=peer))
     for st in plan.stages:
         if st.apply_time > 0:
             bars.append(Bar(st.index, st.index, "UPDATE", "apply", -1, tl.makespan, tl.makespan + st.apply_time))

@@ -119,6 +119,8 @@ class Workbench(W.VBox):
         self.last_error = ""
         self.measured: tuple[views.Bar, ...] = ()
         self.measured_steps: list[float] = []
+        self.measured_serial = False
+        """whether the measured steps ran one unit task at a time (in this process), so compare with the plan's so"""
         self.result: Any = None
         self._timeline_drawn = 0.0
         self._timeline_stale = False
@@ -339,8 +341,11 @@ class Workbench(W.VBox):
             rows.append([what, render._ms(c.predicted), render._ms(c.measured), ratio])
         steady = self.measured_steps[1:] or self.measured_steps  # the first step compiles
         median = f"{render._ms(statistics.median(steady))} (median of {len(steady)}; first step with compiling "
-        step_ratio = f"{statistics.median(steady) / self.plan.estimated_step_time:.2f}x" if self.plan.estimated_step_time > 0 else "-"
-        rows.append(["step", render._ms(self.plan.estimated_step_time), median + f"{render._ms(self.measured_steps[0])})", step_ratio])
+        # a run in this process waits for each unit task (to time it): its step is theirs one at a time
+        predicted = self.plan.serial_step_time if self.measured_serial else self.plan.estimated_step_time
+        what = "step, one unit task at a time (this process)" if self.measured_serial else "step"
+        step_ratio = f"{statistics.median(steady) / predicted:.2f}x" if predicted > 0 else "-"
+        rows.append([what, render._ms(predicted), median + f"{render._ms(self.measured_steps[0])})", step_ratio])
         table = render._table(["span (medians, last step)", "predicted", "measured", "measured / predicted"], rows)
         return render.styled("<b>measured against predicted</b>" + table)
 
@@ -646,6 +651,7 @@ class Workbench(W.VBox):
             if not current:
                 return
             self.measured_steps = [r.seconds for r in steps]
+            self.measured_serial = self.pipelined and not run.on_ray  # this process ran one unit task at a time
             if steps and snap.events:
                 last = steps[-1].step
                 if self.pipelined:

@@ -150,6 +150,17 @@ class PipelinePlan:
         return self.timeline.makespan + max(st.apply_time for st in self.stages)
 
     @property
+    def serial_step_time(self) -> float:
+        """Predicted seconds per step with its instructions one at a time: every RUN, every cross-mesh message
+        and every stage's update, summed. A profiled step of the in-process runtime runs so (it waits for each
+        unit task and each message, to time them), so that is the figure its measured step compares with, not
+        ``estimated_step_time`` (every mesh at work at once, as mesh workers are)."""
+        tl = self.timeline
+        runs = sum(r.end - r.start for r in tl.records if r.kind == "RUN")
+        messages = sum(arrival - start for _, _, start, arrival in tl.transfers())
+        return runs + messages + sum(st.apply_time for st in self.stages)
+
+    @property
     def latency(self) -> float:
         """Eq. 2 of the Alpa paper: sum of stage times + (B - 1) x the slowest stage."""
         times = [st.forward_time + st.backward_time for st in self.stages]

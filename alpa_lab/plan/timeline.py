@@ -62,6 +62,19 @@ class Timeline:
         """Seconds a SEND across ``boundary`` (stage b to b + 1 or back) takes to arrive."""
         return self.transfer_times[boundary] if self.transfer_times else self.transfer_time
 
+    def transfers(self) -> list[tuple[TimelineRecord, int, float, float]]:
+        """Each cross-mesh message: (its RECV record, the sending stage, when its SEND started, when it arrives)."""
+        sends = {(r.stage, r.phase, r.microbatch): r for r in self.records if r.kind == "SEND"}
+        out = []
+        for r in self.records:
+            if r.kind != "RECV":
+                continue
+            peer = r.stage - 1 if r.phase == "forward" else r.stage + 1
+            send = sends.get((peer, r.phase, r.microbatch))
+            if send is not None:
+                out.append((r, peer, send.start, send.start + self.link_time(min(peer, r.stage))))
+        return out
+
     def run(self, stage: int, phase: str, microbatch: int) -> TimelineRecord:
         """The RUN record of (stage, phase, micro-batch)."""
         for r in self.records:

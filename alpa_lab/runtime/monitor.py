@@ -192,8 +192,9 @@ def median_step(records: Sequence[StepRecord]) -> float:
     return float(np.median(steady)) if steady else 0.0
 
 
-def profile(plan: Any, monitor: RunMonitor) -> Profile:
-    """The run's measured medians against the plan's predicted parts (``cost.profile``)."""
+def profile(plan: Any, monitor: RunMonitor, serial: bool = False) -> Profile:
+    """The run's measured medians against the plan's predicted parts (``cost.profile``); ``serial``: the run ran
+    its unit tasks one at a time (the in-process runtime), so its step is also compared with the plan's so."""
     from alpa_lab.plan import PipelinePlan
 
     snap = monitor.snapshot(recent=0)
@@ -237,6 +238,7 @@ def profile(plan: Any, monitor: RunMonitor) -> Profile:
         step_predicted=plan.estimated_step_time,
         step_measured=median_step(snap.recent),
         collectives=collectives,
+        step_serial_predicted=plan.serial_step_time if serial and isinstance(plan, PipelinePlan) else 0.0,
     )
 
 

@@ -183,7 +183,7 @@ class TrainingRun:
 
     def profile(self) -> Profile:
         """Measured against predicted per stage and phase (medians), for ``plan.recalibrated``."""
-        return profile(self.plan, self.monitor)
+        return profile(self.plan, self.monitor, serial=not self.on_ray)
 
     def step_time(self) -> float:
         """Median measured step seconds (the compiling first step left out)."""
