@@ -20,13 +20,17 @@ itself should take under 60 s.
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
 
-os.environ.setdefault("ALPA_LAB_CACHE", tempfile.mkdtemp(prefix="alpa_lab_bench_"))  # do not overwrite the user's calibration
+if "ALPA_LAB_CACHE" not in os.environ:  # do not overwrite the user's calibration, and leave no folder behind
+    os.environ["ALPA_LAB_CACHE"] = tempfile.mkdtemp(prefix="alpa_lab_bench_")
+    atexit.register(shutil.rmtree, os.environ["ALPA_LAB_CACHE"], ignore_errors=True)
 
 import alpa_lab as al  # first: it gives this process simulated CPU devices  # isort: skip
 import jax  # isort: skip

@@ -1,6 +1,8 @@
 """Test set-up: 8 simulated CPU devices, set before JAX is first imported."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
@@ -9,6 +11,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # calibrations are kept per run: a user's saved calibration must not change what the tests plan
 os.environ["ALPA_LAB_CACHE"] = tempfile.mkdtemp(prefix="alpa_lab_cache_")
+atexit.register(shutil.rmtree, os.environ["ALPA_LAB_CACHE"], ignore_errors=True)  # a test run leaves no folder behind
 
 import jax  # noqa: E402
 

@@ -178,9 +178,10 @@ def test_a_run_in_this_process_compares_its_step_with_the_plan_one_task_at_a_tim
     """The in-process runtime waits for each unit task and each message of a profiled step (to time them), so its
     step is their sum, not the pipelined makespan ``estimated_step_time`` predicts for mesh workers: the tiny MLP
     measured 12-20 ms here against 5.3-5.7 ms predicted, and 8.8-9.5 ms one task at a time (the rest is the
-    process's own work between tasks). The profile, the dashboard and the workbench's table now show that figure. Oracle for ``serial_step_time``: 1F1B runs every
-    stage's forward and backward once per micro-batch, and each micro-batch crosses each boundary once each way,
-    so it is M x sum(forward + backward) + 2 M x sum of the boundaries' link times + the updates."""
+    process's own work between tasks). The profile, the dashboard and the workbench's table now show that figure.
+    Oracle for ``serial_step_time``: 1F1B runs every stage's forward and backward once per micro-batch, and each
+    micro-batch crosses each boundary once each way, so it is M x sum(forward + backward) + 2 M x sum of the
+    boundaries' link times + the updates."""
     from alpa_lab.cost.profile import Profile
     from alpa_lab.notebook.dashboard import dashboard_state, header_html
 
