@@ -129,8 +129,9 @@ def dashboard_state(run: Any, snap: MonitorSnapshot | None = None) -> DashboardS
                       for a, b in keys)
     else:
         links = ()
+    serial = not run.on_ray and isinstance(plan, PipelinePlan)  # this process runs one unit task at a time
     try:
-        costs = profile(plan, run.monitor, serial=not run.on_ray).rows
+        costs = profile(plan, run.monitor, serial=serial).rows
     except ProfileError:
         costs = ()
     url = getattr(getattr(run.step, "ray_cluster", None), "dashboard_url", "") or ""
@@ -151,7 +152,7 @@ def dashboard_state(run: Any, snap: MonitorSnapshot | None = None) -> DashboardS
         costs=costs,
         ray_dashboard=url,
         steps=tuple((r.step, r.seconds, r.loss) for r in snap.recent),
-        serial_step_time=plan.serial_step_time if not run.on_ray and isinstance(plan, PipelinePlan) else 0.0,
+        serial_step_time=plan.serial_step_time if serial else 0.0,
     )
 
 

@@ -10,6 +10,7 @@ it offers); a loaded plan gets it back through ``ParallelizedStep.use`` (``attac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,7 +150,7 @@ class PipelinePlan:
         """Predicted seconds per step: the schedule's makespan, then the slowest stage's update."""
         return self.timeline.makespan + max(st.apply_time for st in self.stages)
 
-    @property
+    @functools.cached_property  # the dashboard and the workbench's table ask on every redraw; a plan never changes
     def serial_step_time(self) -> float:
         """Predicted seconds per step with its instructions one at a time: every RUN, every cross-mesh message
         and every stage's update, summed. A profiled step of the in-process runtime runs so (it waits for each
