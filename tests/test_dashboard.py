@@ -140,6 +140,26 @@ def median_bounds(window: list[float], n: int) -> tuple[float, float]:
     return w[j - k - 1], w[len(w) - (j - k)]
 
 
+def test_a_profile_before_the_first_step_says_so(mlp):
+    """``run.profile()`` asked before a step has finished (the README's training example did, by stopping its run
+    at once): a ProfileError that says nothing was measured yet, not an empty profile or a division by zero."""
+    ex, step, plan = mlp
+    gate = threading.Event()  # the first batch waits for it: no step can finish before the test lets it
+
+    def batches(i: int):
+        gate.wait(120)
+        return ex.batch
+
+    run = step.train(ex.state, batches, steps=2)
+    try:
+        with pytest.raises(ProfileError, match="has not finished a step yet"):
+            run.profile()
+    finally:
+        run.stop()
+        gate.set()
+        run.wait(120)
+
+
 def test_stop_and_failures_keep_the_plan_and_the_last_state(mlp):
     ex, step, plan = mlp
     wb = Workbench(plan, step)
