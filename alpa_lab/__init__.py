@@ -44,6 +44,8 @@ _LAZY = {
     "shutdown": "alpa_lab.api",
     "get_global_cluster": "alpa_lab.api",
     "get_global_num_devices": "alpa_lab.api",
+    "get_global_virtual_physical_mesh": "alpa_lab.api",
+    "set_global_virtual_physical_mesh": "alpa_lab.api",
     "clear_executable_cache": "alpa_lab.api",
     "plan_graph": "alpa_lab.api",
     "RayCluster": "alpa_lab.runtime.ray_cluster",
@@ -51,6 +53,7 @@ _LAZY = {
     "LaunchError": "alpa_lab.runtime.ray_run",
     "MeshWorkerError": "alpa_lab.runtime.ray_run",
     "RayRun": "alpa_lab.runtime.ray_run",
+    "VirtualPhysicalMesh": "alpa_lab.runtime.ray_cluster",
 }
 """Names whose modules import the passes or the runtime: loaded on first use, so that a script
 using only plans (``Plan.load(...).jit(step)``) runs without importing alpa_lab's passes or runtime."""
@@ -92,11 +95,13 @@ __all__ = [
     "ShardingSpec",
     "ShardingSpecError",
     "TraceError",
+    "VirtualPhysicalMesh",
     "automatic_layer_construction",
     "clear_executable_cache",
     "count_communication_primitives",
     "get_global_cluster",
     "get_global_num_devices",
+    "get_global_virtual_physical_mesh",
     "grad",
     "init",
     "manual_layer_construction",
@@ -104,6 +109,7 @@ __all__ = [
     "mark_stage_boundary",
     "parallelize",
     "plan_graph",
+    "set_global_virtual_physical_mesh",
     "shutdown",
     "trace",
     "value_and_grad",

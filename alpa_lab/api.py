@@ -117,7 +117,9 @@ class _Session:
     joined: bool = False
     """the Ray was running in this process before ``init`` (the user's own): ``shutdown`` leaves it running"""
     generation: int = 0
-    """counts ``init`` and ``shutdown`` calls: a step settled in an earlier session settles again"""
+    """counts ``init``, ``shutdown`` and ``set_global_virtual_physical_mesh`` calls: a step settled before settles again"""
+    virtual_mesh: Any = None
+    """``set_global_virtual_physical_mesh``'s part of the Ray cluster (None: all of it)"""
 
 
 _SESSION = _Session()
@@ -132,6 +134,15 @@ def _session_cluster() -> tuple[int, Any]:
     with _SESSION_LOCK:
         ray_cluster = _SESSION.ray if _SESSION.ray is not None and not _SESSION.ray._closed else None
         return _SESSION.generation, ray_cluster
+
+
+def _session_spec(ray_cluster: Any) -> ClusterSpec:
+    """What steps without a cluster plan for: the session's Ray cluster (the part ``set_global_virtual_physical_mesh``
+    chose), else this process's devices."""
+    if ray_cluster is None:
+        return ClusterSpec.default()
+    mesh = _SESSION.virtual_mesh
+    return mesh.spec if mesh is not None and mesh.cluster is ray_cluster else ray_cluster.spec
 
 
 class _CallTimer:
@@ -235,6 +246,7 @@ def init(
         else:
             ray_cluster, joined = _start_or_join(cluster_address, num_nodes, num_devices_per_node, dashboard)
         _SESSION.kind, _SESSION.asked, _SESSION.ray, _SESSION.joined = cluster, asked, ray_cluster, joined
+        _SESSION.virtual_mesh = None
         _SESSION.generation += 1
         return ray_cluster
 
@@ -276,6 +288,7 @@ def _end_session() -> None:
     the Ray if ``init`` started or joined it (not one this process ran before), and forget the session."""
     ray_cluster, joined = _SESSION.ray, _SESSION.joined
     _SESSION.kind, _SESSION.asked, _SESSION.ray, _SESSION.joined = None, (), None, False
+    _SESSION.virtual_mesh = None
     _SESSION.generation += 1
     if ray_cluster is None:
         return
@@ -301,10 +314,43 @@ def get_global_cluster() -> Any:
     return _SESSION.ray
 
 
+def get_global_virtual_physical_mesh() -> Any:
+    """Alpa's name: the part of ``init("ray")``'s cluster steps without devices plan for and run on (all of it unless
+    ``set_global_virtual_physical_mesh`` chose a part); None without a Ray cluster."""
+    with _SESSION_LOCK:
+        ray_cluster = _session_cluster()[1]
+        if ray_cluster is None:
+            return None
+        mesh = _SESSION.virtual_mesh
+        return mesh if mesh is not None and mesh.cluster is ray_cluster else ray_cluster.get_virtual_physical_mesh()
+
+
+def set_global_virtual_physical_mesh(mesh: Any) -> None:
+    """Alpa's name: steps without a cluster of their own plan for ``mesh`` (part of ``init("ray")``'s cluster,
+    ``get_global_cluster().get_virtual_physical_mesh(host_ids, num_devices_per_host)``) and run on its mesh
+    workers, from their next call; None: the whole cluster again. Steps that planned for another part plan again."""
+    from alpa_lab.runtime.ray_cluster import VirtualPhysicalMesh
+
+    with _SESSION_LOCK:
+        ray_cluster = _session_cluster()[1]
+        if mesh is not None:
+            if not isinstance(mesh, VirtualPhysicalMesh):
+                raise TypeError("set_global_virtual_physical_mesh takes get_global_cluster().get_virtual_physical_mesh(...), "
+                                f"got {type(mesh).__name__}")
+            if ray_cluster is None or mesh.cluster is not ray_cluster:
+                raise RuntimeError(
+                    "set_global_virtual_physical_mesh: that mesh is not of this session's Ray cluster; call alpa_lab.init('ray') "
+                    "and take the mesh from alpa_lab.get_global_cluster().get_virtual_physical_mesh(...)")
+        _SESSION.virtual_mesh = mesh
+        _SESSION.generation += 1
+
+
 def get_global_num_devices() -> int:
-    """Alpa's name: the devices steps without a cluster plan for: ``init("ray")``'s cluster's, else this process's."""
+    """Alpa's name: the devices steps without a cluster plan for: ``init("ray")``'s cluster's (its global virtual
+    mesh's), else this process's."""
     if _SESSION.ray is not None:
-        return _SESSION.ray.num_devices
+        mesh = get_global_virtual_physical_mesh()
+        return mesh.num_devices if mesh is not None else _SESSION.ray.num_devices
     return jax.device_count()
 
 
@@ -339,6 +385,7 @@ class ParallelizedStep:
     ):
         alpa_default = method is None
         batch_mesh_axis = None
+        runs_on = None
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
         if isinstance(method, ParallelMethod):  # Alpa's method objects: the options they mean (parallel_method)
@@ -366,6 +413,7 @@ class ParallelizedStep:
                         f"method={method_class}(devices=...) says which devices and mesh to plan for; drop "
                         "cluster= / mesh_shape= or drop devices=")
                 cluster, mesh_shape = opts["cluster"], opts.get("mesh_shape")
+                runs_on = opts.get("ray_cluster")  # a Ray cluster's virtual mesh: its mesh workers run the calls
         if not isinstance(method, str) or method not in METHODS:
             raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
         if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1):
@@ -424,7 +472,7 @@ class ParallelizedStep:
         self._generation = -1
         if mesh_shape is not None:  # fail early on a mesh that does not fit (the cluster is not settled by it)
             session = _session_cluster()[1]
-            (cluster or (session.spec if session is not None else ClusterSpec.default())).logical_mesh(mesh_shape)
+            (cluster or _session_spec(session)).logical_mesh(mesh_shape)
         self.mesh_shape = mesh_shape
         self.method = method
         self.batch_mesh_axis: int | None = batch_mesh_axis
@@ -446,6 +494,8 @@ class ParallelizedStep:
         self.__name__ = getattr(fn, "__name__", "step")
         _STEPS.add(self)
         self.__doc__ = getattr(fn, "__doc__", None)
+        if runs_on is not None:
+            self.on_ray(runs_on)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -462,7 +512,7 @@ class ParallelizedStep:
             if self._ray_chosen:  # the cluster on_ray named (planned for it unless the step already planned), or this process
                 spec = self._cluster or (self._ray_cluster.spec if self._ray_cluster is not None else ClusterSpec.default())
             else:
-                spec = session.spec if session is not None else ClusterSpec.default()
+                spec = _session_spec(session)
             with self._cache_lock:
                 if self._cluster is not None and spec != self._cluster:
                     self._forget_own_plans()

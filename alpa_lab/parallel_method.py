@@ -9,9 +9,11 @@ Code written for Alpa chooses how to parallelize with a method object::
 Each class takes the arguments Alpa's takes (Alpa 0.2's names, order and defaults; also
 ``ManualPipeshardParallel`` and ``AutoLayerOption(layer_num, remat_layer)`` of earlier releases)
 and says which of ``parallelize``'s own options it means (``options``), so there is one planner
-behind both spellings. ``ShardParallel(devices=...)`` takes Alpa's device meshes
+behind both spellings. ``devices=`` takes Alpa's device meshes: a logical mesh
 (``LocalPhysicalDeviceMesh().get_logical_mesh(shape, mesh_alpha, mesh_beta)``: that grid, priced by
-Alpa's alpha-beta numbers). What Alpa does that this planner does not (an inference schedule,
+Alpa's alpha-beta numbers; a pipeline's stages choose their own views of it), a local physical mesh, or
+a Ray cluster's virtual mesh (``get_global_cluster().get_virtual_physical_mesh(host_ids, num_devices_per_host)``:
+planned for that part of the cluster and run on its mesh workers). What Alpa does that this planner does not (an inference schedule,
 fine-grained remat, a profiling database, devices other than the first ones JAX lists, options
 that forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
 thresholds, ``eps``) are accepted and change nothing, as each class says (``force_batch_dim_to_mesh_dim``
@@ -367,13 +369,6 @@ def _no_manual_sharding(option: Any, name: str) -> None:
             "strategy on the plan (plan.pin(op, strategy)) to fix one")
 
 
-def _no_devices(devices: Any, name: str) -> None:
-    if devices is not None:
-        raise MethodOptionError(
-            f"{name}(devices=...) is not supported: the devices are the cluster's; pass "
-            "parallelize(cluster=al.ClusterSpec.local(hosts, devices_per_host)) (or mesh_shape= for one mesh's shape)")
-
-
 # ----- devices ---------------------------------------------------------------------------------
 def _first_devices(devices: Sequence[Any], what: str) -> None:
     """Plans place mesh device ``i`` on ``jax.devices()[i]``: a device set must be the first ones JAX lists."""
@@ -491,8 +486,17 @@ def _mesh_options(devices: Any, name: str) -> dict[str, Any]:
 
         _first_devices(devices.devices, f"{name}(devices=<physical mesh>)")
         return {"cluster": ClusterSpec.local(1, devices.num_devices)}
-    _no_devices(devices, name)
-    return {}
+    from alpa_lab.runtime.ray_cluster import VirtualPhysicalMesh  # loads no Ray
+
+    if isinstance(devices, VirtualPhysicalMesh):
+        if getattr(devices.cluster, "_closed", False):
+            raise MethodOptionError(f"{name}(devices=...): that virtual mesh's Ray cluster was shut down; take one of the "
+                                    "running cluster's (get_global_cluster().get_virtual_physical_mesh())")
+        return {"cluster": devices.spec, "ray_cluster": devices.cluster}
+    raise MethodOptionError(
+        f"{name}(devices=...) takes a LogicalDeviceMesh, a LocalPhysicalDeviceMesh or a Ray cluster's VirtualPhysicalMesh "
+        f"(get_global_cluster().get_virtual_physical_mesh()), got {type(devices).__name__}; or leave it out and pass "
+        "parallelize(cluster=al.ClusterSpec.local(hosts, devices_per_host))")
 
 
 @dataclass(frozen=True)
@@ -500,7 +504,8 @@ class ShardParallel(ParallelMethod):
     """Intra-op parallelism only: one mesh of every device, sharded by the ILP (Alpa's default method).
 
     ``devices``: a ``LogicalDeviceMesh`` (``LocalPhysicalDeviceMesh().get_logical_mesh(shape, alpha, beta)``)
-    plans on that grid with its costs; a ``LocalPhysicalDeviceMesh`` on its devices. ``num_micro_batches``:
+    plans on that grid with its costs; a ``LocalPhysicalDeviceMesh`` on its devices; a ``VirtualPhysicalMesh``
+    for that part of its Ray cluster, where the step then runs. ``num_micro_batches``:
     gradient accumulation over that many micro-batches (one pipeline stage on every device, each
     micro-batch's gradients summed). ``as_option`` is the ``AutoShardingOption``, as in Alpa.
     """
@@ -569,7 +574,8 @@ class PipeshardParallel(ParallelMethod):
     ``layer_option``: ``AutoLayerOption(layer_num=...)`` (default 2 layers, as Alpa 0.2), or "manual" /
     ``ManualLayerOption()`` for your ``mark_pipeline_boundary()`` calls. ``stage_option``: "auto" /
     ``AutoStageOption()`` (the stage DP), ``ManualStageOption(...)``, or "uniform" / ``UniformStageOption()``
-    (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others).
+    (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others). ``devices``: the
+    cluster to plan for, as ``ShardParallel``'s (a ``VirtualPhysicalMesh``: part of a Ray cluster, run there).
     """
 
     devices: Any = None
@@ -582,7 +588,6 @@ class PipeshardParallel(ParallelMethod):
     manual_sharding_option: Any = None
 
     def options(self) -> dict[str, Any]:
-        _no_devices(self.devices, type(self).__name__)
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         if self.stage_input_shardings is not None:
             raise MethodOptionError(
@@ -598,6 +603,8 @@ class PipeshardParallel(ParallelMethod):
             "microbatches": self.num_micro_batches,
             "schedule": self.pipeline_schedule,
         }
+        # the devices' cluster (a logical mesh's grid is its hosts x devices: each stage chooses its own view)
+        out.update({k: v for k, v in _mesh_options(self.devices, type(self).__name__).items() if k != "mesh_shape"})
         axis = _mesh_axis_option(option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
         if axis != -1 and out["method"] == "alpa":  # every stage keeps its batch split over that axis (a stage's dict may differ)
             out["batch_mesh_axis"] = axis

@@ -185,6 +185,69 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
         tied.on_ray(cluster)(*tied_state())
 
 
+def test_a_virtual_mesh_plans_for_part_of_the_cluster_and_runs_there(no_session):
+    """Alpa's benchmarks: ``get_global_cluster().get_virtual_physical_mesh(host_ids, num_devices_per_host)`` as a
+    method's ``devices=`` or set globally: the step plans for that part of the Ray cluster (its hardware, fewer
+    devices) and runs on the mesh workers there, with the same numerics as ``jax.jit``."""
+    pytest.importorskip("ray")
+    state, batch = mlp_state(hidden=64, batch=32)
+    expected = jax.jit(train_step)(state, batch)
+    cluster = al.init(cluster="ray")
+    try:
+        whole = al.get_global_virtual_physical_mesh()
+        assert (whole.shape, whole.num_devices, whole.spec) == ((2, 4), 8, cluster.spec)
+        half = cluster.get_virtual_physical_mesh(host_ids=[1], num_devices_per_host=4)
+        assert half.shape == (1, 4) and half.host_ids == (1,)
+        step = al.parallelize(train_step, method=al.PipeshardParallel(devices=half, num_micro_batches=2, layer_option="manual"))
+        out = step(state, batch)
+        plan = step.current_plan
+        assert (plan.cluster["hosts"], plan.cluster["devices_per_host"]) == (1, 4) and step.cluster == cluster.spec.part(1, 4)
+        assert step.ray_cluster is cluster and [len(w.devices) for w in step.ray_run.workers] == [2, 2]
+        assert_close(out.params, expected.params, "params on 1x4 of the 2x4 cluster")
+        # set globally: steps without devices plan for it (and a step that already planned for all of it plans again)
+        plain = al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+        assert plain.cluster == cluster.spec and al.get_global_num_devices() == 8
+        al.set_global_virtual_physical_mesh(cluster.get_virtual_physical_mesh(num_devices_per_host=2))
+        assert al.get_global_num_devices() == 4 and al.get_global_virtual_physical_mesh().shape == (2, 2)
+        out = plain(state, batch)
+        assert plain.cluster == cluster.spec.part(2, 2) and plain.ray_cluster is cluster
+        assert sorted(w.hosts for w in plain.ray_run.workers) == [(0,), (1,)]  # one stage per host, 2 devices each
+        assert_close(out.params, expected.params, "params on 2x2 of the 2x4 cluster")
+        al.set_global_virtual_physical_mesh(None)
+        assert plain.cluster == cluster.spec and al.get_global_num_devices() == 8
+        with pytest.raises(ValueError, match=r"host_ids must be distinct hosts of the cluster's 2 \(0\.\.1\), got \[2\]"):
+            cluster.get_virtual_physical_mesh(host_ids=[2])
+        with pytest.raises(ValueError, match=r"num_devices_per_host must be 1\.\.4 .* got 8"):
+            cluster.get_virtual_physical_mesh(num_devices_per_host=8)
+        with pytest.raises(TypeError, match="takes get_global_cluster"):
+            al.set_global_virtual_physical_mesh((1, 4))
+        with pytest.raises(al.MethodOptionError, match=r"devices=\.\.\.\) takes a LogicalDeviceMesh.*got tuple"):
+            al.parallelize(train_step, method=al.PipeshardParallel(devices=(1, 4)))
+    finally:
+        al.shutdown()
+    assert al.get_global_virtual_physical_mesh() is None
+    with pytest.raises(RuntimeError, match="not of this session's Ray cluster"):
+        al.set_global_virtual_physical_mesh(half)
+    with pytest.raises(al.MethodOptionError, match="Ray cluster was shut down"):
+        al.parallelize(train_step, method=al.PipeshardParallel(devices=half))
+
+
+def test_pipeshard_plans_for_a_local_or_logical_mesh_as_devices():
+    """``PipeshardParallel(devices=...)`` with this process's devices: a physical mesh is that many devices of this
+    machine; a logical mesh is its grid (hosts x devices) with Alpa's alpha-beta costs, each stage viewing it its way."""
+    state, batch = mlp_state(hidden=64, batch=32)
+    physical = al.LocalPhysicalDeviceMesh(jax.devices()[:4])
+    step = al.parallelize(train_step, method=al.PipeshardParallel(devices=physical, num_micro_batches=2, layer_option="manual"))
+    out = step(state, batch)
+    assert step.cluster == al.ClusterSpec.local(1, 4) and step.ray_cluster is None
+    assert all(d < 4 for st in step.current_plan.stages for d in st.device_ids)
+    assert_close(out.params, jax.jit(train_step)(state, batch).params, "params")
+    logical = physical.get_logical_mesh((2, 2), mesh_alpha=(1.0, 1.0), mesh_beta=(1.0, 0.1))
+    grid = al.parallelize(train_step, method=al.PipeshardParallel(devices=logical, num_micro_batches=2, layer_option="manual"))
+    grid.plan(state, batch)
+    assert grid.cluster == logical.cluster_spec() and (grid.cluster.hosts, grid.cluster.devices_per_host) == (2, 2)
+
+
 def test_sessions_on_a_ray_the_user_runs(no_session):
     """Alpa's set-up / tear-down around a step made once (module level): init joins the Ray this process runs,
     the step runs there, shutdown stops what runs there (a training run keeps its state) and leaves the user's

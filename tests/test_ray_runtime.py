@@ -134,6 +134,21 @@ def test_four_stages_two_meshes_per_host(cluster, references):
         assert_traffic_as_predicted(run)
 
 
+@pytest.mark.parametrize("part", [(2, 2), (1, 4)])
+def test_a_plan_for_part_of_the_cluster_runs_on_that_many_devices(part, cluster, references):
+    """Planned for 2 hosts x 2 devices (or 1 x 4) of the 2 x 4 Ray cluster: the plan numbers its devices by its own
+    hosts, and each stage's worker sits on its stage's host with that stage's two devices."""
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=cluster.spec.part(*part), microbatches=MICROBATCHES, layers=4)
+    step.use(step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 2), (1, 2)]))
+    assert (step.current_plan.cluster["hosts"], step.current_plan.cluster["devices_per_host"]) == part
+    with step.launch(cluster, ex.state) as run:
+        assert [w.hosts for w in run.workers] == ([(0,), (1,)] if part == (2, 2) else [(0,), (0,)])
+        assert [len(w.devices) for w in run.workers] == [2, 2]
+        trains_on_ray(run, ex, references["mlp"], f"mlp on {part[0]}x{part[1]} of the cluster")
+        assert_traffic_as_predicted(run)
+
+
 def test_interleaved_stages_share_a_worker(cluster, references):
     ex, step = two_stage_step("gpt", cluster, stages=((0, 1), (2, 3)))
     step.use(step.current_plan.with_schedule("interleaved_1f1b", chunks=2))
@@ -361,6 +376,8 @@ def test_a_plan_for_another_cluster_is_refused_before_anything_starts(cluster):
         step.launch(cluster, ex.state)
     with pytest.raises(LaunchError, match="no plan yet"):
         al.parallelize(ex.train_step, cluster=cluster.spec).launch(cluster, ex.state)
+    with pytest.raises(al.ClusterError, match=r"part of a 2x4 cluster: devices_per_host must be 1\.\.4, got 8"):
+        cluster.spec.part(1, 8)
 
 
 def test_bad_batch_is_refused_on_the_driver(cluster):

@@ -80,6 +80,18 @@ class ClusterSpec:
     def num_devices(self) -> int:
         return self.hosts * self.devices_per_host
 
+    def part(self, hosts: int | None = None, devices_per_host: int | None = None) -> ClusterSpec:
+        """The same hardware, ``hosts`` of its hosts with ``devices_per_host`` devices each (default: all): a plan
+        for part of a cluster, which a Ray cluster of this spec runs on that many of its devices."""
+        hosts = self.hosts if hosts is None else hosts
+        per_host = self.devices_per_host if devices_per_host is None else devices_per_host
+        for what, n, most in (("hosts", hosts, self.hosts), ("devices_per_host", per_host, self.devices_per_host)):
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+                raise ClusterError(f"part of a {self.hosts}x{self.devices_per_host} cluster: {what} must be 1..{most}, got {n!r}")
+        if (hosts, per_host) == (self.hosts, self.devices_per_host):
+            return self
+        return replace(self, hosts=hosts, devices_per_host=per_host, name=f"{self.name}, {hosts}x{per_host} of it")
+
     # ----- constructors ----------------------------------------------------------------
     @classmethod
     def local(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -216,6 +216,15 @@ class RayCluster:
     def num_devices(self) -> int:
         return self.spec.num_devices
 
+    def get_virtual_physical_mesh(
+        self, host_ids: Sequence[int] | None = None, num_devices_per_host: int | None = None,
+    ) -> VirtualPhysicalMesh:
+        """Alpa's name: ``host_ids`` hosts (default: all) with ``num_devices_per_host`` devices each (default: all), as a
+        method's ``devices=`` or ``set_global_virtual_physical_mesh``: steps plan for that part and run on it here."""
+        return VirtualPhysicalMesh(
+            self, tuple(range(self.hosts)) if host_ids is None else host_ids,
+            self.devices_per_host if num_devices_per_host is None else num_devices_per_host)
+
     def calibrate(self, *, save: bool = True, repeats: int = 7, sizes: tuple[int, ...] = TRANSFER_SIZES) -> ClusterSpec:
         """Measure this cluster: the spec to plan with, its numbers measured on the cluster's own workers.
 
@@ -301,3 +310,49 @@ class RayCluster:
     def __repr__(self) -> str:
         kind = "local" if self.started_here else f"connected to {self.address}"
         return f"RayCluster({self.hosts}x{self.devices_per_host} {self.platform}, {kind})"
+
+
+@dataclass(frozen=True)
+class VirtualPhysicalMesh:
+    """Alpa's mesh of a Ray cluster's devices (``get_global_cluster().get_virtual_physical_mesh(host_ids,
+    num_devices_per_host)``): ``num_hosts`` of its hosts with ``num_devices_per_host`` devices each.
+
+    As a method's ``devices=`` (or ``set_global_virtual_physical_mesh``) the step plans for that part of the
+    cluster (``spec``: the cluster's hardware, ``ClusterSpec.part``) and runs on the cluster's mesh workers, on
+    that many devices. Which nodes they take is the placement group's choice (Ray packs them): ``host_ids``
+    are kept as given, and their number is what counts.
+    """
+
+    cluster: RayCluster = field(repr=False, compare=False)
+    """the Ray cluster whose devices these are"""
+    host_ids: tuple[int, ...]
+    num_devices_per_host: int
+
+    def __post_init__(self) -> None:
+        hosts, per_host = self.cluster.hosts, self.cluster.devices_per_host
+        ids = tuple(self.host_ids) if isinstance(self.host_ids, (list, tuple, range)) else ()
+        if not ids or len(set(ids)) != len(ids) or any(isinstance(h, bool) or not isinstance(h, int)
+                                                       or not 0 <= h < hosts for h in ids):
+            raise ValueError(f"host_ids must be distinct hosts of the cluster's {hosts} (0..{hosts - 1}), got {self.host_ids!r}")
+        n = self.num_devices_per_host
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= per_host:
+            raise ValueError(f"num_devices_per_host must be 1..{per_host} (the cluster's hosts have {per_host}), got {n!r}")
+        object.__setattr__(self, "host_ids", tuple(int(h) for h in ids))
+        object.__setattr__(self, "num_devices_per_host", int(n))
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.host_ids)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.num_devices_per_host
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_hosts, self.num_devices_per_host)
+
+    @property
+    def spec(self) -> ClusterSpec:
+        """The cluster to plan for: the Ray cluster's hardware, this many hosts and devices of it."""
+        return self.cluster.spec.part(self.num_hosts, self.num_devices_per_host)

@@ -396,16 +396,18 @@ def launch(
                 f"the plan uses {used} devices ({plan.mesh_shape[0]}x{plan.mesh_shape[1]} mesh) but the Ray cluster has "
                 f"{have[0]} hosts x {have[1]} devices = {have[0] * have[1]}; plan for cluster.spec"
             )
-    elif need != have:
+    elif need[0] > have[0] or need[1] > have[1]:
         raise LaunchError(
             f"the plan was made for {need[0]} hosts x {need[1]} devices but the Ray cluster has {have[0]} hosts x {have[1]} devices; "
-            "plan with parallelize(..., cluster=ray_cluster.spec)"
+            "plan with parallelize(..., cluster=ray_cluster.spec), or for part of it (ray_cluster.spec.part(hosts, devices_per_host))"
         )
     t0 = time.perf_counter()
     graph = step.trace(*args)
     compiled = step.compiled(*args)
     t_compile = time.perf_counter() - t0
-    placements = mesh_placements(compiled, cluster.devices_per_host)
+    # a pipeline planned for part of the cluster (fewer hosts, fewer devices on each) numbers its devices by its own
+    # hosts: device d is on the plan's host d // (its devices per host), a worker there takes that many devices
+    placements = mesh_placements(compiled, need[1] if need is not None else cluster.devices_per_host)
     state_leaves, state_tree = jax.tree_util.tree_flatten(state)
     num_state = len(state_leaves)
     if keep_state_every is None:  # every step for a small state; a big one is not copied to the driver each step
