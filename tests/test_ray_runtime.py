@@ -429,8 +429,17 @@ def test_magic_runs_the_step_on_ray_and_the_workbench_launches(cluster, referenc
     assert {"RUN", "UPDATE", "TRANSFER"} <= kinds and {b.mesh for b in wb.measured} == {0, 1}
     step.on_ray(None)  # back in this process; the run is closed
     assert step.ray_run is None
-    with pytest.raises(Exception, match="--cluster or --ray"):
-        ip.run_cell_magic("parallelize", "--ray local:2x4 --cluster local:2x4", cell)
+    # --cluster beside --ray: that part of the Ray cluster, planned for and run there
+    ip.run_cell_magic("parallelize", "--ray local:2x4 --cluster 1x4 --microbatches 4 --layers 4 --args state,batch --no-display", cell)
+    part = ip.user_ns["train_step"]
+    assert part.cluster == cluster.spec.part(1, 4) and part.ray_cluster is cluster
+    state, loss = part(ex.state, ex.batch)
+    assert sum(len(w.devices) for w in part.ray_run.workers) <= 4
+    assert_close(loss, references["mlp"][0][1], "loss on 1x4 of the Ray cluster via the magic")
+    part.on_ray(None)
+    for bad in ("p3.16xlarge:1", "1x8", "local:3x1"):
+        with pytest.raises(Exception, match=r"with --ray, --cluster says which part of the Ray cluster \(2x4\)"):
+            ip.run_cell_magic("parallelize", f"--ray local:2x4 --cluster {bad}", cell)
 
 
 def test_runs_launched_from_the_workbench_with_live_dashboards(cluster):

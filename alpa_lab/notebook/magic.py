@@ -56,7 +56,8 @@ class ParallelizeMagics(Magics):
     @magic_arguments()
     @argument("--cluster", default=None, help="local:HxD (simulated devices), gpu:HxD (this machine's GPUs) or "
               "PRESET:HOSTS, e.g. p3.16xlarge:8; default: the devices JAX has here")
-    @argument("--ray", default=None, help="plan for and run on a Ray cluster: local:HxD (started here on 127.0.0.1), auto or HOST:PORT")
+    @argument("--ray", default=None, help="plan for and run on a Ray cluster: local:HxD (started here on 127.0.0.1), auto or "
+              "HOST:PORT (with --cluster HxD: that part of it)")
     @argument("--microbatches", type=int, default=None, help="pipeline the step over this many micro-batches")
     @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))}")
     @argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
@@ -92,10 +93,8 @@ class ParallelizeMagics(Magics):
             raise UsageError("%%parallelize: the cell must define the training step as a top-level `def`")
         ray_cluster = None
         if opts.ray is not None:
-            if opts.cluster is not None:
-                raise UsageError("%%parallelize: give --cluster or --ray, not both (--ray plans for the Ray cluster's own shape)")
             ray_cluster = self._ray_cluster(opts.ray)
-            cluster = ray_cluster.spec
+            cluster = ray_cluster.spec if opts.cluster is None else self._part(ray_cluster, opts.cluster)
         else:
             cluster = self._cluster(opts.cluster)
         if opts.method not in al.METHODS:
@@ -219,6 +218,20 @@ class ParallelizeMagics(Magics):
             raise UsageError(f"%%parallelize: --ray {text}: {err}") from None
         ParallelizeMagics.ray_clusters[text] = cluster
         return cluster
+
+    @staticmethod
+    def _part(ray_cluster: Any, text: str) -> al.ClusterSpec:
+        """``--cluster HxD`` beside ``--ray``: that many hosts and devices of the Ray cluster (``ClusterSpec.part``)."""
+        kind, _, size = text.rpartition(":")
+        try:
+            if kind not in ("", "local", "gpu"):
+                raise ValueError(f"{kind!r} names other hardware")
+            return ray_cluster.spec.part(*(int(x) for x in size.lower().split("x")))
+        except (ValueError, TypeError) as exc:
+            raise UsageError(
+                f"%%parallelize: with --ray, --cluster says which part of the Ray cluster ({ray_cluster.hosts}x"
+                f"{ray_cluster.devices_per_host}) to plan for and run on, as HOSTSxDEVICES (e.g. 1x4); got {text!r} ({exc})"
+            ) from None
 
     @staticmethod
     def _cluster(text: str | None) -> al.ClusterSpec:
