@@ -198,6 +198,7 @@ def test_a_virtual_mesh_plans_for_part_of_the_cluster_and_runs_there(no_session)
         assert (whole.shape, whole.num_devices, whole.spec) == ((2, 4), 8, cluster.spec)
         half = cluster.get_virtual_physical_mesh(host_ids=[1], num_devices_per_host=4)
         assert half.shape == (1, 4) and half.host_ids == (1,)
+        assert cluster.get_virtual_physical_mesh(host_ids=np.arange(2), num_devices_per_host=np.int64(2)).shape == (2, 2)
         step = al.parallelize(train_step, method=al.PipeshardParallel(devices=half, num_micro_batches=2, layer_option="manual"))
         out = step(state, batch)
         plan = step.current_plan
@@ -219,6 +220,9 @@ def test_a_virtual_mesh_plans_for_part_of_the_cluster_and_runs_there(no_session)
             cluster.get_virtual_physical_mesh(host_ids=[2])
         with pytest.raises(ValueError, match=r"num_devices_per_host must be 1\.\.4 .* got 8"):
             cluster.get_virtual_physical_mesh(num_devices_per_host=8)
+        for bad in ([0, 0], 1, [True], []):
+            with pytest.raises(ValueError, match="host_ids must be distinct hosts"):
+                cluster.get_virtual_physical_mesh(host_ids=bad)
         with pytest.raises(TypeError, match="takes get_global_cluster"):
             al.set_global_virtual_physical_mesh((1, 4))
         with pytest.raises(al.MethodOptionError, match=r"devices=\.\.\.\) takes a LogicalDeviceMesh.*got tuple"):

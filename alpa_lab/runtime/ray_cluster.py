@@ -9,10 +9,11 @@ or the CPU count given). ``spec`` is what to plan for, so a plan matches the clu
 
 from __future__ import annotations
 
+import numbers
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -330,12 +331,15 @@ class VirtualPhysicalMesh:
 
     def __post_init__(self) -> None:
         hosts, per_host = self.cluster.hosts, self.cluster.devices_per_host
-        ids = tuple(self.host_ids) if isinstance(self.host_ids, (list, tuple, range)) else ()
-        if not ids or len(set(ids)) != len(ids) or any(isinstance(h, bool) or not isinstance(h, int)
-                                                       or not 0 <= h < hosts for h in ids):
+
+        def whole(x: Any) -> bool:  # an int, numpy's too (Alpa's default host_ids are np.arange), not a bool
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        ids = tuple(self.host_ids) if isinstance(self.host_ids, Iterable) and not isinstance(self.host_ids, str) else ()
+        if not ids or len(set(ids)) != len(ids) or any(not whole(h) or not 0 <= h < hosts for h in ids):
             raise ValueError(f"host_ids must be distinct hosts of the cluster's {hosts} (0..{hosts - 1}), got {self.host_ids!r}")
         n = self.num_devices_per_host
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= per_host:
+        if not whole(n) or not 1 <= n <= per_host:
             raise ValueError(f"num_devices_per_host must be 1..{per_host} (the cluster's hosts have {per_host}), got {n!r}")
         object.__setattr__(self, "host_ids", tuple(int(h) for h in ids))
         object.__setattr__(self, "num_devices_per_host", int(n))
