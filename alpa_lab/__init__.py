@@ -27,7 +27,7 @@ from alpa_lab.graph.markers import (
     automatic_layer_construction, grad, manual_layer_construction, mark_pipeline_boundary, mark_stage_boundary, value_and_grad,
 )
 from alpa_lab.graph.trace import TraceError, trace
-from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, count_communication_primitives
+from alpa_lab.plan import PinError, PipelinePlan, PlacementSpec, Plan, PlanFormatError, count_communication_primitives
 from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec, ShardingSpecError
 from alpa_lab.parallel_method import __all__ as _ALPA_METHODS  # Alpa's method objects (the module loads no pass)
@@ -87,6 +87,7 @@ __all__ = [
     "ParallelizedStep",
     "PinError",
     "PipelinePlan",
+    "PlacementSpec",
     "Plan",
     "PlanFormatError",
     "RayCluster",

@@ -27,7 +27,7 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, static_hint, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
-from alpa_lab.parallel_method import ParallelMethod
+from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import SCHEDULES
 from alpa_lab.passes.submesh import check_submesh_space
@@ -686,13 +686,16 @@ class ParallelizedStep:
         if self.pipelined:
             plan = self._plan_pipeline(args, pins, progress)
         else:
+            cluster, mesh_shape, followed = self.cluster, self.mesh_shape, {}
+            if isinstance(self.parallel_method, FollowParallel):
+                cluster, mesh_shape, followed = self._follow(args)
             plan = plan_graph(
                 self.trace(*args),
-                self.cluster,
-                mesh_shape=self.mesh_shape,
+                cluster,
+                mesh_shape=mesh_shape,
                 method=self.method,
                 memory_budget=self.memory_budget,
-                pins=pins,
+                pins={**followed, **(pins or {})} or None,
                 progress=progress,
                 batch_vars=self._batch_vars(args),
                 batch_mesh_axis=self.batch_mesh_axis,
@@ -702,6 +705,41 @@ class ParallelizedStep:
                 _keep(self._own_plans, plan.fingerprint, plan, OWN_PLANS_KEPT)
         self.current_plan = plan
         return plan
+
+    def _follow(self, args: tuple) -> tuple[ClusterSpec, tuple[int, int], dict[str, str]]:
+        """``FollowParallel``: the source's cluster and mesh, and a pin per argument leaf holding it as the
+        source's plan holds the matching leaf."""
+        method = self.parallel_method
+        source = method.src_func
+        if not isinstance(source, ParallelizedStep):
+            raise MethodOptionError(f"FollowParallel(src_func): src_func must be a parallelized step, got {type(source).__name__}")
+        specs = method.input_placement_specs()
+        src_plan = source._require_plan()
+        if isinstance(src_plan, PipelinePlan) or source.ray_cluster is not None:
+            raise MethodOptionError(
+                "FollowParallel follows a single-mesh plan in this process; the step it follows is "
+                + ("pipelined" if isinstance(src_plan, PipelinePlan) else "run on Ray")
+                + ": parallelize this step with ShardParallel() (its arguments are then moved to its plan's layout)")
+        leaves = jax.tree_util.tree_leaves(args)
+        try:  # a None stands for its whole subtree: planned freely
+            per_subtree = jax.tree_util.tree_map(lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))), specs, tuple(args),
+                                                 is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
+        except (ValueError, TypeError) as exc:
+            raise MethodOptionError(
+                "FollowParallel: the placements followed do not have this step's arguments' structure (by default "
+                f"(state.params, batch) of the step followed): {exc}") from exc
+        spec_leaves = [s for group in jax.tree_util.tree_leaves(per_subtree) for s in group]
+        graph = self.trace(*args)
+        pins = {}
+        for name, x, spec in zip((graph.vars[v].name for v in graph.invars), leaves, spec_leaves):
+            if spec is None:
+                continue
+            if tuple(spec.aval.shape) != tuple(np.shape(x)):
+                raise MethodOptionError(
+                    f"FollowParallel: argument {name} has shape {list(np.shape(x))} where the step it follows holds "
+                    f"{list(spec.aval.shape)}: pass the same arrays")
+            pins[name] = spec.sharding_specs[0]
+        return source.cluster, src_plan.mesh_shape, pins
 
     def use(self, plan: Plan | PipelinePlan, *args: Any) -> Plan | PipelinePlan:
         """Make ``plan`` current (e.g. an edited or loaded one) after checking it fits.
@@ -1071,7 +1109,8 @@ class ParallelizedStep:
 
     def get_executable(self, *args: Any) -> Executable:
         """Alpa's name: the current plan compiled for ``args``, whose ``get_hlo_text()`` is XLA's HLO."""
-        return Executable(self.compiled(*args), tuple(jax.tree_util.tree_leaves(args)), self)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        return Executable(self.compiled(*args), tuple(leaves), self, tree)
 
     def preshard_dynamic_args(self, *args: Any) -> tuple:
         """Alpa's name: ``args`` placed on the devices as the current single-mesh plan takes them."""
@@ -1092,6 +1131,8 @@ class Executable:
     compiled: CompiledPlan | CompiledPipeline
     flat_args: tuple
     step: Any = None
+    in_tree: Any = None
+    """the arguments' tree (``get_executable`` keeps it): ``get_input_placement_specs`` takes its structure"""
 
     def get_execution_time_costs(self, warmup: int = 0, timer_name: str | None = None, return_all_costs: bool = False) -> list[float]:
         """Seconds of each call of the step with this plan, oldest first, less the first ``warmup`` (Alpa's
@@ -1121,6 +1162,23 @@ class Executable:
                 f"the program takes {len(self.compiled.in_shardings)} array leaves, got {len(leaves)}: pass the step's arguments")
         placed = [jax.device_put(x, sh) for x, sh in zip(leaves, self.compiled.in_shardings)]
         return jax.tree_util.tree_unflatten(tree, placed)
+
+    def _args(self) -> tuple:
+        if self.in_tree is None:
+            raise ValueError("this executable does not know its arguments' structure: get it with step.get_executable(*args)")
+        return jax.tree_util.tree_unflatten(self.in_tree, list(self.flat_args))
+
+    def get_input_placement_specs(self) -> Any:
+        """Where the plan keeps each argument (Alpa's name): a ``PlacementSpec`` per leaf, in the arguments'
+        structure (the meshes holding it and its sharding spec on each)."""
+        return self.plan.placement_specs(*self._args())[0]
+
+    def get_output_placement_specs(self) -> Any:
+        """Where the plan leaves each result (Alpa's name): a ``PlacementSpec`` per leaf, in the results' structure."""
+        if self.step is None:
+            raise ValueError("this executable does not know its step: get it with step.get_executable(*args)")
+        args = self._args()
+        return self.plan.placement_specs(*args, results=jax.eval_shape(self.step.fn, *args))[1]
 
     def get_hlo_text(self) -> str | list[str]:
         """XLA's optimised HLO: the single-mesh program's text; a pipeline's unit tasks in Alpa's order, the
@@ -1177,6 +1235,103 @@ class Executable:
             with open(written[-1], "w") as f:
                 f.write(text)
         return written
+
+
+class _Group(list):
+    """A leaf's placements (a list subclass, so not a pytree node: ``FollowParallel``'s prefix broadcast)."""
+
+
+class StateCreator:
+    """``parallelize(create_state, method=CreateStateParallel(train_step, other_args))`` (Alpa's): a call makes
+    the state on the devices where ``train_step``'s plan reads it (its first argument), each mesh computing
+    only its own leaves (one ``jax.jit`` per mesh with the plan's shardings as results; XLA drops the rest),
+    so no device holds more of the state than the plan gives it. ``train_step`` is planned for the state's
+    shapes and ``other_args`` first if it was not. A step that runs on Ray gets the state made here, on this
+    process's devices; its launch places it on the mesh workers."""
+
+    def __init__(self, fn: Callable, method: CreateStateParallel):
+        if not isinstance(method.train_step, ParallelizedStep):
+            raise MethodOptionError(
+                f"CreateStateParallel(train_step, other_args): train_step must be a parallelized step "
+                f"(al.parallelize(train_step, ...)), got {type(method.train_step).__name__}")
+        if not isinstance(method.other_args, (tuple, list)):
+            raise MethodOptionError(
+                "CreateStateParallel(train_step, other_args): other_args is the sequence of the step's arguments after "
+                f"the state, e.g. (batch,), got {type(method.other_args).__name__}")
+        self.fn = fn
+        self.method = method
+        self._programs: tuple[Any, Any, list[tuple[list[int], Any]]] | None = None
+        self._last: tuple | None = None
+
+    def _plan(self, args: tuple) -> tuple[Any, tuple]:
+        """The train step's plan for the state ``fn(*args)`` makes, and the step's arguments (abstract)."""
+        step = self.method.train_step
+        state = jax.eval_shape(self.fn, *args)
+        train_args = (state, *self.method.other_args)
+        step.cluster  # noqa: B018 - settles the cluster (and the session's Ray) as a call of the step does
+        step._own_plan_for(train_args, plan_new=True)
+        if step.current_plan is None:
+            step.plan(*train_args)
+        plan = step._require_plan()
+        plan.check_program(step.trace(*train_args))  # a plan the user made for other shapes: say so
+        step._last_args = train_args
+        return plan, train_args
+
+    def __call__(self, *args: Any) -> Any:
+        plan, train_args = self._plan(args)
+        tree = jax.tree_util.tree_structure(train_args[0])
+        if self._programs is None or self._programs[0] is not plan or self._programs[1] != tree:
+            shardings = jax.tree_util.tree_leaves(plan.shardings(*train_args)[0][0])
+            groups: dict[Any, list[int]] = {}
+            for i, sh in enumerate(shardings):
+                groups.setdefault(sh.mesh, []).append(i)
+
+            def part(idx: list[int]) -> Callable:
+                return lambda *a: [jax.tree_util.tree_leaves(self.fn(*a))[i] for i in idx]
+
+            self._programs = (plan, tree, [(idx, jax.jit(part(idx), out_shardings=[shardings[i] for i in idx]))
+                                           for idx in groups.values()])
+        leaves: list[Any] = [None] * tree.num_leaves
+        for idx, program in self._programs[2]:
+            for i, x in zip(idx, program(*args)):
+                leaves[i] = x
+        self._last = args
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    def get_executable(self, *args: Any) -> StateExecutable:
+        """Alpa's name: the programs making the state for ``args`` and where they leave it."""
+        plan, train_args = self._plan(args)
+        return StateExecutable(self, args, plan, train_args)
+
+    def get_last_executable(self) -> StateExecutable:
+        """Alpa's name: ``get_executable`` for the arguments of the last call."""
+        if self._last is None:
+            raise ValueError("the state was never made: call it first, or use get_executable(*args)")
+        return self.get_executable(*self._last)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StateExecutable:
+    """What ``StateCreator`` runs, as Alpa's tests look at it: where the state is made (``get_output_placement_specs``,
+    the train step's ``get_input_placement_specs()[0]``) and each mesh's program (``get_hlo_text``)."""
+
+    creator: StateCreator
+    args: tuple
+    plan: Plan | PipelinePlan
+    train_args: tuple
+
+    def get_output_placement_specs(self) -> Any:
+        return self.plan.placement_specs(*self.train_args)[0][0]
+
+    def get_hlo_text(self) -> str | list[str]:
+        """XLA's optimised HLO of each mesh's program (one text where the state is on one mesh)."""
+        if self.creator._programs is None or self.creator._programs[0] is not self.plan:
+            self.creator(*self.args)  # compiles this plan's programs
+        texts = [program.lower(*self.args).compile().as_text() for _, program in self.creator._programs[2]]
+        return texts[0] if len(texts) == 1 else texts
+
+    def sync(self) -> None:
+        _TIMER.sync()
 
 
 def trace_microbatched(
@@ -1531,7 +1686,12 @@ def parallelize(
             f"static_argnums={static_argnums!r} is not supported: close over Python values (functools.partial) or pass "
             "them inside the loss function, and give the step only arrays")
 
-    def wrap(f: Callable) -> ParallelizedStep:
+    def wrap(f: Callable) -> ParallelizedStep | StateCreator:
+        if isinstance(method, CreateStateParallel):
+            if cluster is not None or mesh_shape is not None or microbatches is not None:
+                raise ValueError("method=CreateStateParallel(...) makes the state where its train step's plan reads it: "
+                                 "drop cluster=, mesh_shape= and microbatches= (the train step has them)")
+            return StateCreator(f, method)
         return ParallelizedStep(
             f,
             cluster,

@@ -23,6 +23,10 @@ sub-meshes, each viewed as its own shape: ``UniformStageOption``), not by the st
 (``stage_option="auto"``, over ``"power_of_two"`` sub-meshes with ``"single_node_model_parallel"``
 logical meshes); ``layer_option="manual"`` cuts only at ``mark_pipeline_boundary()``.
 
+``CreateStateParallel(train_step, other_args)`` makes a state where another step's plan reads it
+(``api.StateCreator``), and ``FollowParallel(src_func)`` plans a step on another step's mesh with its
+arguments held as that step holds them (``ParallelizedStep._follow``).
+
 Pure data: nothing here plans; ``api.parallelize`` reads ``options()`` and the stage options
 give ``passes.pipeline.plan_pipeline`` its fixed stages (``assign``, sharing ``passes.submesh.even_submesh``
 with ``fixed_stages``' default split) and their forced batch axes (``batch_axes``).
@@ -40,7 +44,9 @@ __all__ = [
     "AutoLayerOption",
     "AutoShardingOption",
     "AutoStageOption",
+    "CreateStateParallel",
     "DataParallel",
+    "FollowParallel",
     "ManualLayerOption",
     "ManualPipeshardParallel",
     "LocalPhysicalDeviceMesh",
@@ -537,6 +543,67 @@ class ShardParallel(ParallelMethod):
                     "plans its one stage's logical mesh itself; pass a LocalPhysicalDeviceMesh or no devices")
             out.update(microbatches=self.num_micro_batches, layers=1, stage_option=_WHOLE_CLUSTER)
         return out
+
+
+@dataclass(frozen=True, eq=False)
+class CreateStateParallel(ParallelMethod):
+    """Alpa's: ``parallelize(create_state, method=CreateStateParallel(p_train_step, other_args))`` makes the
+    training state where ``p_train_step``'s plan reads it, each mesh computing only its own part of it.
+
+    ``train_step``: the parallelized step the state is for (``parallelize(train_step, ...)``); ``other_args``:
+    its arguments after the state (the batch: arrays or ``jax.ShapeDtypeStruct``s), which its plan is made
+    for. The state must be the step's first argument, as in Alpa. ``api.StateCreator`` runs it."""
+
+    train_step: Any
+    other_args: Sequence[Any] = ()
+
+    def options(self) -> dict[str, Any]:
+        raise MethodOptionError(
+            "CreateStateParallel makes a state for another step's plan; it has no planning options of its own: "
+            "pass it to parallelize(create_state, method=...)")
+
+
+@dataclass(frozen=True, eq=False)
+class FollowParallel(ParallelMethod):
+    """Alpa's: ``parallelize(eval_step, method=FollowParallel(p_train_step))`` plans a step (an evaluation) on
+    the mesh of another step's single-mesh plan, its arguments held where that plan holds them, so the
+    state passes between the two without being moved.
+
+    ``get_input_placement_specs``: a function returning the ``PlacementSpec`` pytree of this step's
+    arguments (None: Alpa's default, the source's last executable's ``(state.params, batch)``). A leaf whose
+    spec is None is planned freely. Following a pipelined step (Alpa's "inference" pipeline) is refused by
+    name: plan the evaluation with ``ShardParallel`` instead. ``num_micro_batches``, ``pipeline_schedule`` and
+    ``layer_option`` are accepted for Alpa's signature and change nothing on one mesh (an evaluation has no
+    gradients to accumulate over micro-batches)."""
+
+    src_func: Any
+    num_micro_batches: int | None = None
+    get_input_placement_specs: Any = None
+    pipeline_schedule: str = "inference"
+    layer_option: Any = "follow"
+
+    def __post_init__(self) -> None:
+        if self.get_input_placement_specs is not None and not callable(self.get_input_placement_specs):
+            raise MethodOptionError("FollowParallel(get_input_placement_specs=...) must be a function returning the "
+                                    "arguments' PlacementSpec pytree")
+
+    def input_placement_specs(self) -> Any:
+        """The placements to follow (Alpa's default: the source's ``(state.params, batch)``)."""
+        if self.get_input_placement_specs is not None:
+            return self.get_input_placement_specs()
+        try:
+            executable = self.src_func.get_last_executable()
+        except ValueError as exc:
+            raise MethodOptionError(f"FollowParallel: the step it follows was never run or planned ({exc})") from exc
+        specs = executable.get_input_placement_specs()
+        if not isinstance(specs, (tuple, list)) or len(specs) != 2 or not hasattr(specs[0], "params"):
+            raise MethodOptionError(
+                "FollowParallel without get_input_placement_specs follows (state.params, batch) of a step taking "
+                "(state, batch) with a state that has .params; pass get_input_placement_specs=lambda: ... for others")
+        return specs[0].params, specs[1]
+
+    def options(self) -> dict[str, Any]:
+        return {"method": "alpa"}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from alpa_lab.plan.schema import (
     _text,
     _with_path,
 )
-from alpa_lab.plan.single import Explanation, OpPlan, PinError, Plan, _plan_from_dict, _signed_pct
+from alpa_lab.plan.single import Explanation, OpPlan, PinError, Plan, _plan_from_dict, _signed_pct, placement_tree
 from alpa_lab.plan.timeline import SCHEDULE_NAMES, Timeline, TimelineRecord, pipeline_latency
 from alpa_lab.sharding.constraints import spec_sharding
 
@@ -393,6 +393,36 @@ class PipelinePlan:
                 "of micro-batches or the layering (layers=) differ; re-plan with step.plan(...)"
             )
 
+    def _homes(self) -> dict[str, dict[str, list[tuple[int, str]]]]:
+        """Per argument path every stage reading it, in stage order, and per result path the stage computing it:
+        (stage index, sharding spec) pairs."""
+        homes: dict[str, dict[str, list[tuple[int, str]]]] = {"argument": {}, "result": {}}
+        for st in self.stages:
+            for t in st.plan.inputs:
+                homes["argument"].setdefault(t.path, []).append((st.index, t.spec))
+            for t in st.plan.outputs:
+                if not t.path.startswith("<") and t.path not in homes["result"]:  # not a tensor passed between stages
+                    homes["result"][t.path] = [(st.index, t.spec)]
+        return homes
+
+    def _leaf_homes(self, tree: Any, side: str, homes: Mapping[str, Mapping[str, list[tuple[int, str]]]]) -> tuple[list, Any]:
+        """(each leaf's homes, the tree's structure) for the step's arguments or results (``side``); an argument
+        no stage reads has none."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        keys = [jax.tree_util.keystr(path) or "[]" for path, _ in flat]
+        if side == "argument" and not set(keys) & set(homes[side]):
+            raise ValueError(
+                "none of the arguments given is one this pipeline plan's stages read: pass the step's arguments "
+                f"as it was planned with (the stages read e.g. {', '.join(sorted(homes['argument'])[:3])})"
+            )
+        for key in keys:
+            if side == "result" and key not in homes[side]:
+                raise ValueError(
+                    f"no stage of this pipeline plan computes a result {key}: pass the step's results "
+                    "(or jax.eval_shape(step, *args)) as it was planned with"
+                )
+        return [homes[side].get(key, []) for key in keys], treedef
+
     def shardings(self, *args: Any, results: Any = None, devices: Sequence[Any] | None = None) -> tuple[Any, Any]:
         """(argument shardings, result shardings): each leaf's ``NamedSharding`` on the
         sub-mesh of the stage that keeps it, as ``Plan.shardings`` gives them for one mesh.
@@ -405,36 +435,34 @@ class PipelinePlan:
         *args)``); without it they are a dict from result path (``jax.tree_util.keystr``).
         """
         meshes = [st.plan.mesh(devices) for st in self.stages]
-        homes: dict[str, dict[str, Any]] = {"argument": {}, "result": {}}
-        for st, mesh in zip(self.stages, meshes):
-            for t in st.plan.inputs:
-                homes["argument"].setdefault(t.path, spec_sharding(mesh, t.spec))
-            for t in st.plan.outputs:
-                if not t.path.startswith("<"):  # not a tensor passed between stages
-                    homes["result"].setdefault(t.path, spec_sharding(mesh, t.spec))
+        homes = self._homes()
         unread = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
 
         def placed(tree: Any, side: str) -> Any:
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-            out = []
-            for path, _ in leaves:
-                key = jax.tree_util.keystr(path) or "[]"
-                if key not in homes[side] and side == "result":
-                    raise ValueError(
-                        f"no stage of this pipeline plan computes a result {key}: pass the step's results "
-                        "(or jax.eval_shape(step, *args)) as it was planned with"
-                    )
-                out.append(homes[side].get(key, unread))
-            return jax.tree_util.tree_unflatten(treedef, out)
+            found, treedef = self._leaf_homes(tree, side, homes)
+            return jax.tree_util.tree_unflatten(treedef, [spec_sharding(meshes[h[0][0]], h[0][1]) if h else unread for h in found])
 
-        paths = {jax.tree_util.keystr(p) or "[]" for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]}
-        if not paths & set(homes["argument"]):
-            raise ValueError(
-                "none of the arguments given is one this pipeline plan's stages read: pass the step's arguments "
-                f"as it was planned with (the stages read e.g. {', '.join(sorted(homes['argument'])[:3])})"
-            )
-        outs = dict(homes["result"]) if results is None else placed(results, "result")
-        return placed(args, "argument"), outs
+        ins = placed(args, "argument")
+        if results is None:
+            return ins, {path: spec_sharding(meshes[h[0][0]], h[0][1]) for path, h in homes["result"].items()}
+        return ins, placed(results, "result")
+
+    def placement_specs(self, *args: Any, results: Any = None) -> tuple[Any, Any]:
+        """(argument placements, result placements): ``PlacementSpec`` pytrees, Alpa's view of ``shardings``.
+
+        An argument lists every stage that reads it (the first is where ``shardings`` keeps it), a result the
+        stage that computes it; an argument no stage reads is replicated on stage 0. ``results``: the step's
+        results (or ``jax.eval_shape(step, *args)``); without it, None."""
+        homes = self._homes()
+
+        def placed(tree: Any, side: str) -> Any:
+            found, treedef = self._leaf_homes(tree, side, homes)
+            leaves = jax.tree_util.tree_leaves(tree)
+            pairs = [(tuple(i for i, _ in h), tuple(sp for _, sp in h)) if h else ((0,), ("R" * len(x.shape) or "-",))
+                     for h, x in zip(found, leaves)]
+            return placement_tree(leaves, treedef, pairs)
+
+        return placed(args, "argument"), (None if results is None else placed(results, "result"))
 
     def attach(self, problem: PipelinePlanProblem) -> PipelinePlan:
         """This plan with ``problem`` (the ``PipelineProblem`` of its program) as its planner state.

@@ -64,6 +64,28 @@ class TensorPlan:
 
 
 @dataclass(frozen=True)
+class PlacementSpec:
+    """Where one argument or result of a step lives, as Alpa's executables report it
+    (``get_input_placement_specs``): its abstract value, the meshes holding it (a single-mesh plan's one
+    mesh is 0; a pipeline's are its stages) and its sharding spec on each of them (``ShardingSpec``'s
+    text, e.g. ``"S0R"``)."""
+
+    aval: jax.ShapeDtypeStruct
+    mesh_ids: tuple[int, ...]
+    sharding_specs: tuple[str, ...]
+
+
+def placement_tree(leaves: Sequence[Any], tree: Any, homes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]]) -> Any:
+    """The ``PlacementSpec`` pytree of ``leaves`` (arrays or ShapeDtypeStructs, in ``tree``'s order) with their
+    (mesh ids, specs) ``homes``."""
+    specs = [
+        PlacementSpec(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tuple(ids), tuple(sp))
+        for x, (ids, sp) in zip(leaves, homes)
+    ]
+    return jax.tree_util.tree_unflatten(tree, specs)
+
+
+@dataclass(frozen=True)
 class OpPlan:
     """The strategy chosen for one op (or one argument, ``kind == "input"``)."""
 
@@ -419,6 +441,18 @@ class Plan:
             _check_leaves(leaves, self.outputs, "result")
             outs = jax.tree_util.tree_unflatten(out_tree, outs)
         return ins, outs
+
+    def placement_specs(self, *args: Any, results: Any = None) -> tuple[Any, Any]:
+        """(argument placements, result placements): ``PlacementSpec`` pytrees, Alpa's view of ``shardings``.
+        ``results``: the step's results (or ``jax.eval_shape(step, *args)``); without it, None."""
+        leaves, in_tree = jax.tree_util.tree_flatten(args)
+        _check_leaves(leaves, self.inputs, "argument")
+        ins = placement_tree(leaves, in_tree, [((0,), (t.spec,)) for t in self.inputs])
+        if results is None:
+            return ins, None
+        leaves, out_tree = jax.tree_util.tree_flatten(results)
+        _check_leaves(leaves, self.outputs, "result")
+        return ins, placement_tree(leaves, out_tree, [((0,), (t.spec,)) for t in self.outputs])
 
     def jit(self, fn: Callable[..., Any], devices: Sequence[Any] | None = None) -> ConstrainedStep:
         """``fn`` run with plain ``jax.jit`` under this plan, without alpa_lab's runtime.
