@@ -54,6 +54,9 @@ _LAZY = {
     "MeshWorkerError": "alpa_lab.runtime.ray_run",
     "RayRun": "alpa_lab.runtime.ray_run",
     "VirtualPhysicalMesh": "alpa_lab.runtime.ray_cluster",
+    "CheckpointError": "alpa_lab.runtime.checkpoint",
+    "save_checkpoint": "alpa_lab.runtime.checkpoint",
+    "restore_checkpoint": "alpa_lab.runtime.checkpoint",
 }
 """Names whose modules import the passes or the runtime: loaded on first use, so that a script
 using only plans (``Plan.load(...).jit(step)``) runs without importing alpa_lab's passes or runtime."""
@@ -75,6 +78,7 @@ __all__ = [
     *_ALPA_METHODS,
     "METHODS",
     "PRESETS",
+    "CheckpointError",
     "ClusterError",
     "ClusterSpec",
     "DeviceError",
@@ -110,6 +114,8 @@ __all__ = [
     "mark_stage_boundary",
     "parallelize",
     "plan_graph",
+    "restore_checkpoint",
+    "save_checkpoint",
     "set_global_virtual_physical_mesh",
     "shutdown",
     "trace",

@@ -447,20 +447,21 @@ class PipelinePlan:
             return ins, {path: spec_sharding(meshes[h[0][0]], h[0][1]) for path, h in homes["result"].items()}
         return ins, placed(results, "result")
 
-    def placement_specs(self, *args: Any, results: Any = None) -> tuple[Any, Any]:
+    def placement_specs(self, *args: Any, results: Any = None, devices: Sequence[Any] | None = None) -> tuple[Any, Any]:
         """(argument placements, result placements): ``PlacementSpec`` pytrees, Alpa's view of ``shardings``.
 
         An argument lists every stage that reads it (the first is where ``shardings`` keeps it), a result the
         stage that computes it; an argument no stage reads is replicated on stage 0. ``results``: the step's
-        results (or ``jax.eval_shape(step, *args)``); without it, None."""
+        results (or ``jax.eval_shape(step, *args)``); without it, None. Each mesh is its stage's ``plan.mesh(devices)``."""
         homes = self._homes()
+        meshes = [st.plan.mesh(devices) for st in self.stages]
 
         def placed(tree: Any, side: str) -> Any:
             found, treedef = self._leaf_homes(tree, side, homes)
             leaves = jax.tree_util.tree_leaves(tree)
             pairs = [(tuple(i for i, _ in h), tuple(sp for _, sp in h)) if h else ((0,), ("R" * len(x.shape) or "-",))
                      for h, x in zip(found, leaves)]
-            return placement_tree(leaves, treedef, pairs)
+            return placement_tree(leaves, treedef, pairs, meshes)
 
         return placed(args, "argument"), (None if results is None else placed(results, "result"))
 

@@ -73,13 +73,19 @@ class PlacementSpec:
     aval: jax.ShapeDtypeStruct
     mesh_ids: tuple[int, ...]
     sharding_specs: tuple[str, ...]
+    shardings: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """the ``NamedSharding`` on each mesh (this process's devices for the plan's device ids): where
+    ``restore_checkpoint`` puts the leaf (on the first)"""
 
 
-def placement_tree(leaves: Sequence[Any], tree: Any, homes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]]) -> Any:
+def placement_tree(
+    leaves: Sequence[Any], tree: Any, homes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]], meshes: Sequence[Any]
+) -> Any:
     """The ``PlacementSpec`` pytree of ``leaves`` (arrays or ShapeDtypeStructs, in ``tree``'s order) with their
-    (mesh ids, specs) ``homes``."""
+    (mesh ids, specs) ``homes``; ``meshes[i]`` is mesh i's ``jax.sharding.Mesh``."""
     specs = [
-        PlacementSpec(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tuple(ids), tuple(sp))
+        PlacementSpec(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tuple(ids), tuple(sp),
+                      tuple(spec_sharding(meshes[i], one) for i, one in zip(ids, sp)))
         for x, (ids, sp) in zip(leaves, homes)
     ]
     return jax.tree_util.tree_unflatten(tree, specs)
@@ -442,17 +448,19 @@ class Plan:
             outs = jax.tree_util.tree_unflatten(out_tree, outs)
         return ins, outs
 
-    def placement_specs(self, *args: Any, results: Any = None) -> tuple[Any, Any]:
-        """(argument placements, result placements): ``PlacementSpec`` pytrees, Alpa's view of ``shardings``.
-        ``results``: the step's results (or ``jax.eval_shape(step, *args)``); without it, None."""
+    def placement_specs(self, *args: Any, results: Any = None, devices: Sequence[Any] | None = None) -> tuple[Any, Any]:
+        """(argument placements, result placements): ``PlacementSpec`` pytrees, Alpa's view of ``shardings``
+        (on ``self.mesh(devices)``). ``results``: the step's results (or ``jax.eval_shape(step, *args)``);
+        without it, None."""
+        meshes = [self.mesh(devices)]
         leaves, in_tree = jax.tree_util.tree_flatten(args)
         _check_leaves(leaves, self.inputs, "argument")
-        ins = placement_tree(leaves, in_tree, [((0,), (t.spec,)) for t in self.inputs])
+        ins = placement_tree(leaves, in_tree, [((0,), (t.spec,)) for t in self.inputs], meshes)
         if results is None:
             return ins, None
         leaves, out_tree = jax.tree_util.tree_flatten(results)
         _check_leaves(leaves, self.outputs, "result")
-        return ins, placement_tree(leaves, out_tree, [((0,), (t.spec,)) for t in self.outputs])
+        return ins, placement_tree(leaves, out_tree, [((0,), (t.spec,)) for t in self.outputs], meshes)
 
     def jit(self, fn: Callable[..., Any], devices: Sequence[Any] | None = None) -> ConstrainedStep:
         """``fn`` run with plain ``jax.jit`` under this plan, without alpa_lab's runtime.
