@@ -27,11 +27,13 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, static_hint, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
-from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod
+from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod, PlanMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import SCHEDULES
 from alpa_lab.passes.submesh import check_submesh_space
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
+from alpa_lab.sharding.constraints import DeviceError
+from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.runtime.apply import CompiledPlan, call_compiled, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
 
@@ -400,6 +402,8 @@ class ParallelizedStep:
                     f"{', '.join(f'{k}={given[k]!r}' for k in passed)} or set it in the method "
                     "(num_micro_batches, pipeline_schedule, layer_option, stage_option), or pass parallelize's own options "
                     "without a method object")
+            if isinstance(method, FollowParallel) and (cluster is not None or mesh_shape is not None):
+                raise ValueError("method=FollowParallel(...) plans on the mesh of the step it follows: drop cluster= and mesh_shape=")
             opts, method_class = method.options(), type(method).__name__
             method = opts.pop("method")
             microbatches, schedule = opts.get("microbatches", microbatches), opts.get("schedule", schedule)
@@ -677,7 +681,11 @@ class ParallelizedStep:
         return stage_timer(split)
 
     def plan(self, *args: Any, pins: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None) -> Plan:
-        """Trace with ``args`` (arrays or ShapeDtypeStructs) and plan; the plan becomes current."""
+        """Trace with ``args`` (arrays or ShapeDtypeStructs) and plan; the plan becomes current. A step made with
+        ``method=plan_to_method(plan)`` uses that plan instead (with ``pins`` it plans anew, on the plan's cluster
+        and options)."""
+        if isinstance(self.parallel_method, PlanMethod) and not pins:
+            return self.use(self.parallel_method.plan, *args)
         if progress:
             t0 = time.perf_counter()
             progress("tracing the step")
@@ -708,38 +716,58 @@ class ParallelizedStep:
 
     def _follow(self, args: tuple) -> tuple[ClusterSpec, tuple[int, int], dict[str, str]]:
         """``FollowParallel``: the source's cluster and mesh, and a pin per argument leaf holding it as the
-        source's plan holds the matching leaf."""
+        source's plan holds the matching leaf (where that spec fits the leaf's shape; otherwise it is planned)."""
         method = self.parallel_method
         source = method.src_func
         if not isinstance(source, ParallelizedStep):
             raise MethodOptionError(f"FollowParallel(src_func): src_func must be a parallelized step, got {type(source).__name__}")
-        specs = method.input_placement_specs()
-        src_plan = source._require_plan()
-        if isinstance(src_plan, PipelinePlan) or source.ray_cluster is not None:
+        if source.current_plan is None or getattr(source, "_last_args", None) is None:
+            raise MethodOptionError("FollowParallel: the step it follows was never run or planned: call it (or "
+                                    "step.plan(state, batch)) first")
+        src_plan = source.current_plan
+        if isinstance(src_plan, PipelinePlan):
             raise MethodOptionError(
-                "FollowParallel follows a single-mesh plan in this process; the step it follows is "
-                + ("pipelined" if isinstance(src_plan, PipelinePlan) else "run on Ray")
-                + ": parallelize this step with ShardParallel() (its arguments are then moved to its plan's layout)")
+                "FollowParallel follows a single-mesh plan; the step it follows is pipelined (Alpa's inference pipeline "
+                "is not planned here): parallelize this step with ShardParallel() (its arguments are then moved to its "
+                "plan's layout)")
+        if method.get_input_placement_specs is not None:
+            specs = method.get_input_placement_specs()
+        else:  # Alpa's default: the source's (state.params, batch)
+            followed = src_plan.placement_specs(*source._last_args)[0]
+            if not isinstance(followed, (tuple, list)) or len(followed) != 2 or not hasattr(followed[0], "params"):
+                raise MethodOptionError(
+                    "FollowParallel without get_input_placement_specs follows (state.params, batch) of a step taking "
+                    "(state, batch) with a state that has .params; pass get_input_placement_specs=lambda: ... for others")
+            specs = (followed[0].params, followed[1])
+        specs = tuple(specs) if isinstance(specs, list) else specs
         leaves = jax.tree_util.tree_leaves(args)
         try:  # a None stands for its whole subtree: planned freely
             per_subtree = jax.tree_util.tree_map(lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))), specs, tuple(args),
                                                  is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
         except (ValueError, TypeError) as exc:
+            given = jax.tree_util.tree_structure(specs, is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
             raise MethodOptionError(
-                "FollowParallel: the placements followed do not have this step's arguments' structure (by default "
-                f"(state.params, batch) of the step followed): {exc}") from exc
+                f"FollowParallel: the placements followed ({given.num_leaves} leaves) do not have the structure of this "
+                f"step's arguments ({len(leaves)} leaves); by default they are (state.params, batch) of the step followed: "
+                f"{str(exc).splitlines()[0]}") from exc
         spec_leaves = [s for group in jax.tree_util.tree_leaves(per_subtree) for s in group]
         graph = self.trace(*args)
         pins = {}
         for name, x, spec in zip((graph.vars[v].name for v in graph.invars), leaves, spec_leaves):
             if spec is None:
                 continue
-            if tuple(spec.aval.shape) != tuple(np.shape(x)):
-                raise MethodOptionError(
-                    f"FollowParallel: argument {name} has shape {list(np.shape(x))} where the step it follows holds "
-                    f"{list(spec.aval.shape)}: pass the same arrays")
-            pins[name] = spec.sharding_specs[0]
+            text = spec.sharding_specs[0]
+            if tuple(spec.aval.shape) == tuple(np.shape(x)) or ShardingSpec.parse(text).is_valid_for(np.shape(x), src_plan.mesh_shape):
+                pins[name] = text  # another size (an evaluation batch) keeps the layout where it fits
+        self._followed = src_plan
         return source.cluster, src_plan.mesh_shape, pins
+
+    def _refollow(self) -> None:
+        """``FollowParallel``: forget the step's own plans once the source's plan changed (re-planned on the next call)."""
+        if isinstance(self.parallel_method, FollowParallel) and getattr(self, "_followed", None) is not None:
+            if self.parallel_method.src_func.current_plan is not self._followed:
+                self._forget_own_plans()
+                self._followed = None
 
     def use(self, plan: Plan | PipelinePlan, *args: Any) -> Plan | PipelinePlan:
         """Make ``plan`` current (e.g. an edited or loaded one) after checking it fits.
@@ -931,6 +959,7 @@ class ParallelizedStep:
 
     def __call__(self, *args: Any) -> Any:
         self.cluster  # noqa: B018 - settles the cluster (and the session's Ray, if any) before the first call
+        self._refollow()
         # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
         # jax.jit traces again (only a call plans anew: a launch or a run takes a kept plan for its shapes, or fails)
         graph = self._own_plan_for(args, plan_new=True)
@@ -1109,6 +1138,8 @@ class ParallelizedStep:
 
     def get_executable(self, *args: Any) -> Executable:
         """Alpa's name: the current plan compiled for ``args``, whose ``get_hlo_text()`` is XLA's HLO."""
+        self._refollow()
+        self._own_plan_for(args, plan_new=True)
         leaves, tree = jax.tree_util.tree_flatten(args)
         return Executable(self.compiled(*args), tuple(leaves), self, tree)
 
@@ -1200,6 +1231,11 @@ class Executable:
         """The plan this program was compiled from."""
         return self.compiled.plan
 
+    def get_parallel_plan(self) -> Plan | PipelinePlan:
+        """Alpa's name: the plan as data (read back from its JSON, without the planner state), to save
+        (``plan.save(path)``) and run again with ``parallelize(fn, method=al.plan_to_method(plan))``."""
+        return Plan.from_json(self.plan.to_json())
+
     @property
     def auto_sharding_objective(self) -> float | None:
         """The intra-op ILP's objective as Alpa reports it: communication and resharding costs (eq. 1 with every
@@ -1245,19 +1281,16 @@ class StateCreator:
     """``parallelize(create_state, method=CreateStateParallel(train_step, other_args))`` (Alpa's): a call makes
     the state on the devices where ``train_step``'s plan reads it (its first argument), each mesh computing
     only its own leaves (one ``jax.jit`` per mesh with the plan's shardings as results; XLA drops the rest),
-    so no device holds more of the state than the plan gives it. ``train_step`` is planned for the state's
-    shapes and ``other_args`` first if it was not. A step that runs on Ray gets the state made here, on this
-    process's devices; its launch places it on the mesh workers."""
+    so no device holds more of the state than the plan gives it. A leaf that several stages read is made on
+    the first (where the runtime keeps it). ``train_step`` is planned for the state's shapes and
+    ``other_args`` first if it was not. A step that runs on Ray gets the state made here, on this process's
+    devices; its launch places it on the mesh workers."""
 
     def __init__(self, fn: Callable, method: CreateStateParallel):
         if not isinstance(method.train_step, ParallelizedStep):
             raise MethodOptionError(
                 f"CreateStateParallel(train_step, other_args): train_step must be a parallelized step "
                 f"(al.parallelize(train_step, ...)), got {type(method.train_step).__name__}")
-        if not isinstance(method.other_args, (tuple, list)):
-            raise MethodOptionError(
-                "CreateStateParallel(train_step, other_args): other_args is the sequence of the step's arguments after "
-                f"the state, e.g. (batch,), got {type(method.other_args).__name__}")
         self.fn = fn
         self.method = method
         self._programs: tuple[Any, Any, list[tuple[list[int], Any]]] | None = None
@@ -1267,7 +1300,7 @@ class StateCreator:
         """The train step's plan for the state ``fn(*args)`` makes, and the step's arguments (abstract)."""
         step = self.method.train_step
         state = jax.eval_shape(self.fn, *args)
-        train_args = (state, *self.method.other_args)
+        train_args = (state, *self.method.step_args())
         step.cluster  # noqa: B018 - settles the cluster (and the session's Ray) as a call of the step does
         step._own_plan_for(train_args, plan_new=True)
         if step.current_plan is None:
@@ -1277,8 +1310,8 @@ class StateCreator:
         step._last_args = train_args
         return plan, train_args
 
-    def __call__(self, *args: Any) -> Any:
-        plan, train_args = self._plan(args)
+    def _programs_for(self, plan: Any, train_args: tuple) -> list[tuple[list[int], Any]]:
+        """One jitted program per mesh holding part of the state: (the state leaves it makes, the program)."""
         tree = jax.tree_util.tree_structure(train_args[0])
         if self._programs is None or self._programs[0] is not plan or self._programs[1] != tree:
             shardings = jax.tree_util.tree_leaves(plan.shardings(*train_args)[0][0])
@@ -1291,8 +1324,20 @@ class StateCreator:
 
             self._programs = (plan, tree, [(idx, jax.jit(part(idx), out_shardings=[shardings[i] for i in idx]))
                                            for idx in groups.values()])
+        return self._programs[2]
+
+    def __call__(self, *args: Any) -> Any:
+        plan, train_args = self._plan(args)
+        tree = jax.tree_util.tree_structure(train_args[0])
+        try:
+            programs = self._programs_for(plan, train_args)
+        except DeviceError:
+            if self.method.train_step.ray_cluster is None:
+                raise
+            self._last = args  # a Ray cluster's plan on devices this driver lacks: made here whole, placed at launch
+            return jax.jit(self.fn)(*args)
         leaves: list[Any] = [None] * tree.num_leaves
-        for idx, program in self._programs[2]:
+        for idx, program in programs:
             for i, x in zip(idx, program(*args)):
                 leaves[i] = x
         self._last = args
@@ -1324,10 +1369,8 @@ class StateExecutable:
         return self.plan.placement_specs(*self.train_args)[0][0]
 
     def get_hlo_text(self) -> str | list[str]:
-        """XLA's optimised HLO of each mesh's program (one text where the state is on one mesh)."""
-        if self.creator._programs is None or self.creator._programs[0] is not self.plan:
-            self.creator(*self.args)  # compiles this plan's programs
-        texts = [program.lower(*self.args).compile().as_text() for _, program in self.creator._programs[2]]
+        """XLA's optimised HLO of each mesh's program (one text where the state is on one mesh); compiled, not run."""
+        texts = [program.lower(*self.args).compile().as_text() for _, program in self.creator._programs_for(self.plan, self.train_args)]
         return texts[0] if len(texts) == 1 else texts
 
     def sync(self) -> None:
@@ -1688,9 +1731,15 @@ def parallelize(
 
     def wrap(f: Callable) -> ParallelizedStep | StateCreator:
         if isinstance(method, CreateStateParallel):
-            if cluster is not None or mesh_shape is not None or microbatches is not None:
+            given = {"cluster": cluster, "mesh_shape": mesh_shape, "memory_budget": memory_budget, "microbatches": microbatches,
+                     "schedule": schedule, "layers": layers, "max_stages": max_stages, "cost_model": cost_model, "remat": remat,
+                     "submesh_space": submesh_space, "batch_argnums": batch_argnums, "logical_meshes": logical_meshes,
+                     "stage_option": stage_option}
+            defaults = inspect.signature(parallelize).parameters
+            passed = sorted(k for k, v in given.items() if v != defaults[k].default)
+            if passed:
                 raise ValueError("method=CreateStateParallel(...) makes the state where its train step's plan reads it: "
-                                 "drop cluster=, mesh_shape= and microbatches= (the train step has them)")
+                                 f"drop {', '.join(f'{k}=' for k in passed)} (the train step has them)")
             return StateCreator(f, method)
         return ParallelizedStep(
             f,

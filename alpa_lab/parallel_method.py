@@ -59,7 +59,9 @@ __all__ = [
     "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
+    "PlanMethod",
     "get_3d_parallel_method",
+    "plan_to_method",
 ]
 
 
@@ -551,11 +553,25 @@ class CreateStateParallel(ParallelMethod):
     training state where ``p_train_step``'s plan reads it, each mesh computing only its own part of it.
 
     ``train_step``: the parallelized step the state is for (``parallelize(train_step, ...)``); ``other_args``:
-    its arguments after the state (the batch: arrays or ``jax.ShapeDtypeStruct``s), which its plan is made
-    for. The state must be the step's first argument, as in Alpa. ``api.StateCreator`` runs it."""
+    its argument after the state (the batch: arrays or ``jax.ShapeDtypeStruct``s), as Alpa calls
+    ``train_step.get_executable(state, other_args)``: a step of more arguments gets them as a tuple in
+    ``other_args=al.CreateStateParallel.Args(batch, rng)``. ``api.StateCreator`` runs it."""
 
     train_step: Any
-    other_args: Sequence[Any] = ()
+    other_args: Any
+
+    @dataclass(frozen=True)
+    class Args:
+        """Several arguments after the state: ``CreateStateParallel(step, CreateStateParallel.Args(batch, rng))``."""
+
+        values: tuple
+
+        def __init__(self, *values: Any) -> None:
+            object.__setattr__(self, "values", values)
+
+    def step_args(self) -> tuple:
+        """The train step's arguments after the state."""
+        return self.other_args.values if isinstance(self.other_args, CreateStateParallel.Args) else (self.other_args,)
 
     def options(self) -> dict[str, Any]:
         raise MethodOptionError(
@@ -571,10 +587,12 @@ class FollowParallel(ParallelMethod):
 
     ``get_input_placement_specs``: a function returning the ``PlacementSpec`` pytree of this step's
     arguments (None: Alpa's default, the source's last executable's ``(state.params, batch)``). A leaf whose
-    spec is None is planned freely. Following a pipelined step (Alpa's "inference" pipeline) is refused by
-    name: plan the evaluation with ``ShardParallel`` instead. ``num_micro_batches``, ``pipeline_schedule`` and
-    ``layer_option`` are accepted for Alpa's signature and change nothing on one mesh (an evaluation has no
-    gradients to accumulate over micro-batches)."""
+    spec is None is planned freely, and so is one whose followed spec does not fit its shape (an evaluation
+    batch of another size). The step re-plans when the source's plan changes. Following a pipelined step
+    (Alpa's "inference" pipeline) is refused by name: plan the evaluation with ``ShardParallel`` instead.
+    ``num_micro_batches``, ``pipeline_schedule`` and ``layer_option`` are accepted for Alpa's signature and
+    change nothing on one mesh (an evaluation has no gradients to accumulate over micro-batches).
+    ``ParallelizedStep._follow`` reads the placements."""
 
     src_func: Any
     num_micro_batches: int | None = None
@@ -587,23 +605,43 @@ class FollowParallel(ParallelMethod):
             raise MethodOptionError("FollowParallel(get_input_placement_specs=...) must be a function returning the "
                                     "arguments' PlacementSpec pytree")
 
-    def input_placement_specs(self) -> Any:
-        """The placements to follow (Alpa's default: the source's ``(state.params, batch)``)."""
-        if self.get_input_placement_specs is not None:
-            return self.get_input_placement_specs()
-        try:
-            executable = self.src_func.get_last_executable()
-        except ValueError as exc:
-            raise MethodOptionError(f"FollowParallel: the step it follows was never run or planned ({exc})") from exc
-        specs = executable.get_input_placement_specs()
-        if not isinstance(specs, (tuple, list)) or len(specs) != 2 or not hasattr(specs[0], "params"):
-            raise MethodOptionError(
-                "FollowParallel without get_input_placement_specs follows (state.params, batch) of a step taking "
-                "(state, batch) with a state that has .params; pass get_input_placement_specs=lambda: ... for others")
-        return specs[0].params, specs[1]
-
     def options(self) -> dict[str, Any]:
         return {"method": "alpa"}
+
+
+@dataclass(frozen=True, eq=False)
+class PlanMethod(ParallelMethod):
+    """A step that runs a plan made before (Alpa's ``plan_to_method(executable.get_parallel_plan())``): the plan's
+    cluster, mesh and, for a pipeline, its micro-batches, layers and schedule; the step uses the plan as
+    ``step.use(plan)`` does (checked against the step's program on the first call) instead of planning. A
+    plan made with ``remat=True`` needs the step traced so too: use ``parallelize(fn, ..., remat=True)``
+    and ``step.use(plan)`` for it."""
+
+    plan: Any
+
+    def __post_init__(self) -> None:
+        if not (hasattr(self.plan, "fingerprint") and hasattr(self.plan, "cluster") and hasattr(self.plan, "to_json")):
+            raise MethodOptionError(f"plan_to_method takes a Plan or a PipelinePlan (executable.get_parallel_plan(), or "
+                                    f"al.Plan.load(path)), got {type(self.plan).__name__}")
+
+    def options(self) -> dict[str, Any]:
+        from alpa_lab.cost.cluster import ClusterSpec
+
+        plan = self.plan
+        out: dict[str, Any] = {"method": plan.method, "cluster": ClusterSpec(**plan.cluster)}
+        if hasattr(plan, "stages"):  # a pipeline
+            out.update(microbatches=plan.num_microbatches, layers=plan.num_layers, schedule=plan.schedule,
+                       submesh_space=plan.submesh_space)
+        else:
+            out["mesh_shape"] = tuple(plan.mesh_shape)
+            if plan.batch_mesh_axis is not None:
+                out["batch_mesh_axis"] = plan.batch_mesh_axis
+        return out
+
+
+def plan_to_method(plan: Any) -> PlanMethod:
+    """Alpa's name: the method that runs ``plan`` (a ``Plan`` or ``PipelinePlan``, e.g. loaded from JSON)."""
+    return PlanMethod(plan)
 
 
 @dataclass(frozen=True)

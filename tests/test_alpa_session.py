@@ -55,6 +55,10 @@ def train_step(state, batch):
     return state.apply_gradients(grads=grads)
 
 
+def eval_loss(params, batch):
+    return jnp.mean((MLPModel().apply(params, batch["x"]) - batch["y"]) ** 2)
+
+
 class TiedModel(nn.Module):
     """Alpa's test_tied_embedding: the embedding used in the first stage and, transposed, in the last."""
 
@@ -173,6 +177,22 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
         assert_close(got.params, jax.jit(tied_state_only)(jax.jit(tied_state_only)(tstate, tbatch), tbatch).params, "params")
         with pytest.raises(al.LaunchError, match=r"only gradients.*on_ray\(None\)"):
             al.parallelize(grads_only, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))(tstate, tbatch)
+        # Alpa's test_create_state and test_follow_parallel, on the session's Ray: the state made where the step
+        # reads it, trained on the mesh workers, evaluated on an evaluation step following it
+        p_shard = al.parallelize(train_step, method=al.ShardParallel())
+        made = al.parallelize(lambda: mlp_state()[0], method=al.CreateStateParallel(p_shard, batch))()
+        assert_close(made.params, state.params, "params")
+        trained = p_shard(made, batch)
+        assert p_shard.ray_cluster is cluster
+        assert_close(trained.params, expected.params, "params")
+        p_eval = al.parallelize(eval_loss, method=al.FollowParallel(p_shard))
+        with pytest.raises(al.LaunchError, match=r"must return new_state.*on_ray\(None\)"):
+            p_eval(trained.params, batch)  # mesh workers run training steps; an evaluation runs here
+        p_eval.on_ray(None)
+        assert float(p_eval(trained.params, batch)) == pytest.approx(float(eval_loss(expected.params, batch)), rel=1e-4)
+        assert p_eval.current_plan.mesh_shape == p_shard.current_plan.mesh_shape
+        assert jax.tree_util.tree_leaves(p_eval.get_last_executable().get_input_placement_specs()[0]) == \
+            jax.tree_util.tree_leaves(p_shard.get_last_executable().get_input_placement_specs()[0].params)
     finally:
         al.shutdown()
     assert not ray.is_initialized() and al.get_global_cluster() is None

@@ -190,6 +190,22 @@ def test_outside_the_loss_function_is_refused():
         al.trace(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
 
 
+def test_in_a_program_without_a_gradient_it_does_nothing():
+    """An evaluation step through a model with boundaries in it (Alpa's test MLP) has no backward to mirror the
+    cut in: traced and planned on one mesh, the markers are no-ops and the result is the unparallelized one's."""
+    model = MLP("alpa")
+    x = jnp.linspace(-1, 1, 16 * 12).reshape(16, 12)
+    params = model.init(jax.random.PRNGKey(0), x)
+
+    def evaluate(params, x):
+        return jnp.mean(model.apply(params, x) ** 2)
+
+    graph = al.trace(evaluate, params, x)
+    assert sum(op.primitive == "pipeline_marker" for op in graph.ops) == 3
+    got = al.parallelize(evaluate, method=al.ShardParallel())(params, x)
+    np.testing.assert_allclose(float(got), float(evaluate(params, x)), rtol=1e-6)
+
+
 def test_inside_a_checkpointed_body_is_refused():
     def body(h):
         h = jnp.tanh(h)

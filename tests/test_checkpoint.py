@@ -46,7 +46,7 @@ def test_a_single_mesh_state_round_trips(tmp_path):
     assert [x.sharding for x in leaves(restored)] == [x.sharding for x in leaves(state)]
     for f in (tmp_path / "checkpoint_7").rglob("*"):  # no pickles: nothing loads code when read
         if f.is_file():
-            assert not f.read_bytes()[:2] == b"\x80\x04", f
+            assert f.read_bytes()[:1] != b"\x80" and f.suffix not in (".pkl", ".pickle"), f
 
 
 def test_bad_checkpoints_and_placements_are_refused_by_name(tmp_path):

@@ -80,6 +80,8 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     with markers.watch_boundaries(), markers.cutting_boundaries():
         graph = _trace(fn, args, traced_consts)
     stray = [op for op in graph.ops if markers.is_cut(op)]
+    if stray and not any("transpose(" in op.label or "jvp(" in op.label for op in graph.ops):
+        return graph  # a program with no backward (an evaluation): nothing to mirror, the markers are no-ops
     if stray:
         where = stray[0].label or "the step's top level"
         if "jvp(" in where or "transpose(" in where:  # inside jax.grad: the usual case of code written for jax.grad

@@ -40,7 +40,7 @@ from alpa_lab.plan.schema import (
 )
 from alpa_lab.plan.single import Explanation, OpPlan, PinError, Plan, _plan_from_dict, _signed_pct, placement_tree
 from alpa_lab.plan.timeline import SCHEDULE_NAMES, Timeline, TimelineRecord, pipeline_latency
-from alpa_lab.sharding.constraints import spec_sharding
+from alpa_lab.sharding.constraints import DeviceError, spec_sharding
 
 Stages = Sequence[tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, ...]]]
 """Stages as the planner places them: (layers [start, end), sub-mesh, logical mesh, device ids) each."""
@@ -454,7 +454,10 @@ class PipelinePlan:
         stage that computes it; an argument no stage reads is replicated on stage 0. ``results``: the step's
         results (or ``jax.eval_shape(step, *args)``); without it, None. Each mesh is its stage's ``plan.mesh(devices)``."""
         homes = self._homes()
-        meshes = [st.plan.mesh(devices) for st in self.stages]
+        try:
+            meshes: list[Any] | None = [st.plan.mesh(devices) for st in self.stages]
+        except DeviceError:  # planned for devices this process does not have (a Ray cluster's)
+            meshes = None
 
         def placed(tree: Any, side: str) -> Any:
             found, treedef = self._leaf_homes(tree, side, homes)

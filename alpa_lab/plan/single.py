@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import jax
+import numpy as np
 
 from alpa_lab.cost.cluster import Collective, _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
 from alpa_lab.plan.schema import PIPELINE_PLAN_TYPE, SCHEMA_VERSION, PlanFormatError, _collectives, _plan_json, _read_plan_file
-from alpa_lab.sharding.constraints import ConstrainedStep, device_mesh, spec_sharding
+from alpa_lab.sharding.constraints import ConstrainedStep, DeviceError, device_mesh, spec_sharding
 
 if TYPE_CHECKING:
     from alpa_lab.plan.pipeline import PipelinePlan
@@ -73,19 +74,21 @@ class PlacementSpec:
     aval: jax.ShapeDtypeStruct
     mesh_ids: tuple[int, ...]
     sharding_specs: tuple[str, ...]
-    shardings: tuple[Any, ...] = field(default=(), compare=False, repr=False)
-    """the ``NamedSharding`` on each mesh (this process's devices for the plan's device ids): where
-    ``restore_checkpoint`` puts the leaf (on the first)"""
+    shardings: tuple[Any, ...] = field(default=(), repr=False)
+    """the ``NamedSharding`` on each mesh (this process's devices for the plan's device ids), so two specs are
+    equal only on the same meshes; ``restore_checkpoint`` and ``CreateStateParallel`` put the leaf on the first
+    (where the runtime keeps it; a stage reading it from another mesh gets it sent each step)"""
 
 
 def placement_tree(
-    leaves: Sequence[Any], tree: Any, homes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]], meshes: Sequence[Any]
+    leaves: Sequence[Any], tree: Any, homes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]], meshes: Sequence[Any] | None
 ) -> Any:
     """The ``PlacementSpec`` pytree of ``leaves`` (arrays or ShapeDtypeStructs, in ``tree``'s order) with their
-    (mesh ids, specs) ``homes``; ``meshes[i]`` is mesh i's ``jax.sharding.Mesh``."""
+    (mesh ids, specs) ``homes``; ``meshes[i]`` is mesh i's ``jax.sharding.Mesh`` (None: this process lacks the
+    plan's devices, e.g. a Ray cluster's driver: no shardings)."""
     specs = [
-        PlacementSpec(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tuple(ids), tuple(sp),
-                      tuple(spec_sharding(meshes[i], one) for i, one in zip(ids, sp)))
+        PlacementSpec(jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), tuple(ids), tuple(sp),
+                      () if meshes is None else tuple(spec_sharding(meshes[i], one) for i, one in zip(ids, sp)))
         for x, (ids, sp) in zip(leaves, homes)
     ]
     return jax.tree_util.tree_unflatten(tree, specs)
@@ -452,7 +455,10 @@ class Plan:
         """(argument placements, result placements): ``PlacementSpec`` pytrees, Alpa's view of ``shardings``
         (on ``self.mesh(devices)``). ``results``: the step's results (or ``jax.eval_shape(step, *args)``);
         without it, None."""
-        meshes = [self.mesh(devices)]
+        try:
+            meshes: list[Any] | None = [self.mesh(devices)]
+        except DeviceError:  # planned for devices this process does not have (a Ray cluster's)
+            meshes = None
         leaves, in_tree = jax.tree_util.tree_flatten(args)
         _check_leaves(leaves, self.inputs, "argument")
         ins = placement_tree(leaves, in_tree, [((0,), (t.spec,)) for t in self.inputs], meshes)

@@ -61,9 +61,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, target: Any, step: int, local_c
         raise CheckpointError(f"save_checkpoint saves arrays and numbers; the target has a {type(bad[0]).__name__} leaf: "
                               "make it a static field of the state, or leave it out")
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, target, force=overwrite)
-    checkpointer.wait_until_finished()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, target, force=overwrite)
+        checkpointer.wait_until_finished()
     return path
 
 
@@ -79,7 +79,7 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, jax.Array) or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
     raise CheckpointError(
-        f"restore_checkpoint places each leaf by a PlacementSpec, a sharded jax.ShapeDtypeStruct or an array; got a "
+        f"restore_checkpoint places each leaf by a PlacementSpec, a sharded jax.ShapeDtypeStruct or a placed jax.Array; got a "
         f"{type(leaf).__name__}: pass executable.get_input_placement_specs()[0] (or the state's shardings as "
         "ShapeDtypeStructs)")
 
@@ -91,7 +91,10 @@ def restore_checkpoint(ckpt_dir: str | os.PathLike, step: int, placement_specs: 
     ``placement_specs``: the step's ``PlacementSpec`` pytree for the state
     (``p_train_step.get_last_executable().get_input_placement_specs()[0]``), or a pytree of sharded
     ``jax.ShapeDtypeStruct``s or of arrays already placed (``jax.tree.map(lambda x: x.sharding, ...)``'s
-    shapes). Its tree gives the result's (a ``TrainState``'s static fields come from it)."""
+    shapes). Its tree gives the result's (a ``TrainState``'s static fields come from it), and each array takes
+    its leaf's dtype (Orbax casts a stored array of another dtype). A leaf several pipeline stages read is read
+    onto the first of its meshes, where the runtime keeps it. Unlike Alpa's, ``save_checkpoint`` keeps a step
+    already saved unless told ``overwrite=True``, as Flax's does."""
     import orbax.checkpoint as ocp
 
     path = _step_dir(ckpt_dir, step, prefix)
@@ -102,7 +105,8 @@ def restore_checkpoint(ckpt_dir: str | os.PathLike, step: int, placement_specs: 
     is_placement = lambda x: hasattr(x, "mesh_ids") or isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     target = jax.tree_util.tree_map(_abstract, placement_specs, is_leaf=is_placement)
     try:
-        return ocp.StandardCheckpointer().restore(path, target)
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(path, target)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"the checkpoint of step {step} does not match the placements given (another state's "
                               f"structure or shapes?): {exc}") from exc
