@@ -731,25 +731,29 @@ class ParallelizedStep:
                 "is not planned here): parallelize this step with ShardParallel() (its arguments are then moved to its "
                 "plan's layout)")
         if method.get_input_placement_specs is not None:
-            specs = method.get_input_placement_specs()
-        else:  # Alpa's default: the source's (state.params, batch)
+            candidates = [method.get_input_placement_specs()]
+        else:  # Alpa's default: the source's (state.params, batch); a step taking (state, batch) follows the whole state
             followed = src_plan.placement_specs(*source._last_args)[0]
-            if not isinstance(followed, (tuple, list)) or len(followed) != 2 or not hasattr(followed[0], "params"):
+            if not isinstance(followed, (tuple, list)) or len(followed) != 2:
                 raise MethodOptionError(
-                    "FollowParallel without get_input_placement_specs follows (state.params, batch) of a step taking "
-                    "(state, batch) with a state that has .params; pass get_input_placement_specs=lambda: ... for others")
-            specs = (followed[0].params, followed[1])
-        specs = tuple(specs) if isinstance(specs, list) else specs
+                    "FollowParallel without get_input_placement_specs follows (state.params, batch) or (state, batch) of a "
+                    "step taking (state, batch); pass get_input_placement_specs=lambda: ... for others")
+            candidates = ([(followed[0].params, followed[1])] if hasattr(followed[0], "params") else []) + [tuple(followed)]
         leaves = jax.tree_util.tree_leaves(args)
-        try:  # a None stands for its whole subtree: planned freely
-            per_subtree = jax.tree_util.tree_map(lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))), specs, tuple(args),
-                                                 is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
-        except (ValueError, TypeError) as exc:
-            given = jax.tree_util.tree_structure(specs, is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
-            raise MethodOptionError(
-                f"FollowParallel: the placements followed ({given.num_leaves} leaves) do not have the structure of this "
-                f"step's arguments ({len(leaves)} leaves); by default they are (state.params, batch) of the step followed: "
-                f"{str(exc).splitlines()[0]}") from exc
+        for i, specs in enumerate(candidates):
+            specs = tuple(specs) if isinstance(specs, list) else specs
+            try:  # a None stands for its whole subtree: planned freely
+                per_subtree = jax.tree_util.tree_map(lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))), specs,
+                                                     tuple(args), is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
+                break
+            except (ValueError, TypeError) as exc:
+                if i + 1 < len(candidates):
+                    continue
+                given = jax.tree_util.tree_structure(specs, is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
+                raise MethodOptionError(
+                    f"FollowParallel: the placements followed ({given.num_leaves} leaves) do not have the structure of this "
+                    f"step's arguments ({len(leaves)} leaves); by default they are (state.params, batch) or (state, batch) "
+                    f"of the step followed: {str(exc).splitlines()[0]}") from exc
         spec_leaves = [s for group in jax.tree_util.tree_leaves(per_subtree) for s in group]
         graph = self.trace(*args)
         pins = {}

@@ -109,6 +109,19 @@ def test_follow_parallel_plans_the_evaluation_where_the_train_step_keeps_the_par
     assert p_eval.current_plan.mesh_shape == p_train.current_plan.mesh_shape
 
 
+def test_follow_parallel_of_a_step_taking_the_whole_state():
+    """An evaluation taking (state, batch), as the train step does, follows the whole state."""
+    p_train = al.parallelize(train_step, method=al.ShardParallel())
+    state = p_train(create_state(), BATCH)
+
+    def evaluate(state, batch):
+        return eval_step(state.params, batch)
+
+    p_eval = al.parallelize(evaluate, method=al.FollowParallel(p_train))
+    assert float(p_eval(state, BATCH)) == pytest.approx(float(evaluate(state, BATCH)), rel=1e-5)
+    assert p_eval.get_last_executable().get_input_placement_specs()[0] == p_train.get_last_executable().get_input_placement_specs()[0]
+
+
 def test_follow_parallel_with_given_placements_follows_them():
     """``get_input_placement_specs``: placements the user gives, here every parameter replicated; the batch (None)
     is planned freely."""
@@ -133,7 +146,7 @@ def test_bad_uses_are_refused_by_name():
     with pytest.raises(al.MethodOptionError, match="follows a single-mesh plan; the step it follows is pipelined"):
         al.parallelize(eval_step, method=al.FollowParallel(piped))(create_state().params, BATCH)
     p_train(create_state(), BATCH)
-    with pytest.raises(al.MethodOptionError, match="do not have the structure of this step's arguments"):
+    with pytest.raises(al.MethodOptionError, match="do not have the structure of this step's arguments.*or \\(state, batch\\)"):
         al.parallelize(lambda p: jnp.sum(p["params"]["Dense_0"]["kernel"]), method=al.FollowParallel(p_train))(create_state().params)
     with pytest.raises(al.MethodOptionError, match="must be a function"):
         al.FollowParallel(p_train, get_input_placement_specs=3)

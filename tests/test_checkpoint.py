@@ -63,8 +63,11 @@ def test_bad_checkpoints_and_placements_are_refused_by_name(tmp_path):
         al.restore_checkpoint(tmp_path, 4, specs)
     with pytest.raises(al.CheckpointError, match="it holds none"):
         al.restore_checkpoint(tmp_path / "empty", 0, specs)
-    with pytest.raises(al.CheckpointError, match="step must be a non-negative integer"):
-        al.save_checkpoint(tmp_path, state, -1)
+    for bad in (-1, True, 2.0, "3"):
+        with pytest.raises(al.CheckpointError, match="step must be a non-negative integer"):
+            al.save_checkpoint(tmp_path, state, bad)
+    assert al.save_checkpoint(tmp_path, state, state.step) == tmp_path / f"checkpoint_{int(state.step)}"  # a JAX scalar
+    assert close(al.restore_checkpoint(tmp_path, np.int64(int(state.step)), specs), state, 0.0)
     with pytest.raises(al.CheckpointError, match="local_cache_dir"):
         al.save_checkpoint(tmp_path, state, 5, "/tmp/cache")
     with pytest.raises(al.CheckpointError, match="arrays and numbers"):

@@ -12,6 +12,7 @@ A checkpoint of step ``n`` is the folder ``{ckpt_dir}/{prefix}{n}``.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from pathlib import Path
@@ -26,10 +27,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read as asked (what, and what to do)."""
 
 
-def _step_dir(ckpt_dir: str | os.PathLike, step: int, prefix: str) -> Path:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
-    return Path(ckpt_dir).absolute() / f"{prefix}{step}"
+def _step_dir(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path:
+    """The folder of step ``step``: a Python, numpy or 0-d JAX integer (``state.step`` will do)."""
+    try:
+        index = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        index = None
+    if index is None or index < 0:
+        raise CheckpointError(f"step must be a non-negative integer (e.g. int(state.step)), got {step!r}")
+    return Path(ckpt_dir).absolute() / f"{prefix}{index}"
 
 
 def saved_steps(ckpt_dir: str | os.PathLike, prefix: str = "checkpoint_") -> list[int]:
@@ -41,7 +47,7 @@ def saved_steps(ckpt_dir: str | os.PathLike, prefix: str = "checkpoint_") -> lis
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := pattern.fullmatch(p.name)) and p.is_dir())
 
 
-def save_checkpoint(ckpt_dir: str | os.PathLike, target: Any, step: int, local_cache_dir: Any = None, *,
+def save_checkpoint(ckpt_dir: str | os.PathLike, target: Any, step: Any, local_cache_dir: Any = None, *,
                     prefix: str = "checkpoint_", overwrite: bool = False) -> Path:
     """Write ``target`` (a pytree of arrays, e.g. the training state) as step ``step`` in ``ckpt_dir``; returns
     the step's folder. Each array's shards are written from the devices holding them. A step already saved is
@@ -73,8 +79,9 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
     shardings = getattr(leaf, "shardings", None)
     if shardings is not None and hasattr(leaf, "aval"):  # a PlacementSpec
         if not shardings:
-            raise CheckpointError("a PlacementSpec without shardings (made by hand?): take them from "
-                                  "executable.get_input_placement_specs(), or pass plan.shardings(...) instead")
+            raise CheckpointError("a PlacementSpec without shardings (made by hand, or for devices this process does not "
+                                  "have, as a Ray cluster's): take them from executable.get_input_placement_specs() where the "
+                                  "plan's devices are, or pass sharded jax.ShapeDtypeStructs")
         return jax.ShapeDtypeStruct(leaf.aval.shape, leaf.aval.dtype, sharding=shardings[0])
     if isinstance(leaf, jax.Array) or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
@@ -84,7 +91,7 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
         "ShapeDtypeStructs)")
 
 
-def restore_checkpoint(ckpt_dir: str | os.PathLike, step: int, placement_specs: Any, prefix: str = "checkpoint_") -> Any:
+def restore_checkpoint(ckpt_dir: str | os.PathLike, step: Any, placement_specs: Any, prefix: str = "checkpoint_") -> Any:
     """Read step ``step`` of ``ckpt_dir`` into the structure of ``placement_specs``, each array straight onto the
     devices and sharding its leaf names (Alpa's order of arguments).
 
