@@ -363,6 +363,12 @@ def clear_executable_cache() -> None:
         step._forget_own_plans()
 
 
+def _not_defaults(given: Mapping[str, Any], fn: Callable) -> list[str]:
+    """The names in ``given`` whose value is not ``fn``'s default for that parameter (options passed), sorted."""
+    defaults = inspect.signature(fn).parameters
+    return sorted(k for k, v in given.items() if v != defaults[k].default)
+
+
 class ParallelizedStep:
     """A training step with a plan: call it like the original function."""
 
@@ -394,8 +400,7 @@ class ParallelizedStep:
             given = {"microbatches": microbatches, "schedule": schedule, "layers": layers, "remat": remat,
                      "submesh_space": submesh_space, "logical_meshes": logical_meshes, "stage_option": stage_option,
                      "max_stages": max_stages}
-            defaults = inspect.signature(ParallelizedStep.__init__).parameters
-            passed = sorted(k for k in given if given[k] != defaults[k].default)
+            passed = _not_defaults(given, ParallelizedStep.__init__)
             if passed:  # the method object says how to pipeline (or not): one place for it
                 raise ValueError(
                     f"method={type(method).__name__}(...) says how the step is pipelined; drop "
@@ -740,16 +745,17 @@ class ParallelizedStep:
                     "step taking (state, batch); pass get_input_placement_specs=lambda: ... for others")
             candidates = ([(followed[0].params, followed[1])] if hasattr(followed[0], "params") else []) + [tuple(followed)]
         leaves = jax.tree_util.tree_leaves(args)
+        is_spec = lambda x: x is None or hasattr(x, "mesh_ids")  # noqa: E731 - a PlacementSpec, or None: planned freely
         for i, specs in enumerate(candidates):
             specs = tuple(specs) if isinstance(specs, list) else specs
-            try:  # a None stands for its whole subtree: planned freely
+            try:  # a None stands for its whole subtree
                 per_subtree = jax.tree_util.tree_map(lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))), specs,
-                                                     tuple(args), is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
+                                                     tuple(args), is_leaf=is_spec)
                 break
             except (ValueError, TypeError) as exc:
                 if i + 1 < len(candidates):
                     continue
-                given = jax.tree_util.tree_structure(specs, is_leaf=lambda x: x is None or hasattr(x, "mesh_ids"))
+                given = jax.tree_util.tree_structure(specs, is_leaf=is_spec)
                 raise MethodOptionError(
                     f"FollowParallel: the placements followed ({given.num_leaves} leaves) do not have the structure of this "
                     f"step's arguments ({len(leaves)} leaves); by default they are (state.params, batch) or (state, batch) "
@@ -1739,8 +1745,7 @@ def parallelize(
                      "schedule": schedule, "layers": layers, "max_stages": max_stages, "cost_model": cost_model, "remat": remat,
                      "submesh_space": submesh_space, "batch_argnums": batch_argnums, "logical_meshes": logical_meshes,
                      "stage_option": stage_option}
-            defaults = inspect.signature(parallelize).parameters
-            passed = sorted(k for k, v in given.items() if v != defaults[k].default)
+            passed = _not_defaults(given, parallelize)
             if passed:
                 raise ValueError("method=CreateStateParallel(...) makes the state where its train step's plan reads it: "
                                  f"drop {', '.join(f'{k}=' for k in passed)} (the train step has them)")

@@ -80,11 +80,11 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
     with markers.watch_boundaries(), markers.cutting_boundaries():
         graph = _trace(fn, args, traced_consts)
     stray = [op for op in graph.ops if markers.is_cut(op)]
-    if stray and not any("transpose(" in op.label or "jvp(" in op.label for op in graph.ops):
+    if stray and not any(_under_autodiff(op.label) for op in graph.ops):
         return graph  # a program with no backward (an evaluation): nothing to mirror, the markers are no-ops
     if stray:
         where = stray[0].label or "the step's top level"
-        if "jvp(" in where or "transpose(" in where:  # inside jax.grad: the usual case of code written for jax.grad
+        if _under_autodiff(where):  # inside jax.grad: the usual case of code written for jax.grad
             raise TraceError(
                 f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
                 "is inside a gradient that jax.grad / jax.value_and_grad takes, which cannot mirror the cut in the "
@@ -99,6 +99,11 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
             "x = mark_stage_boundary(x)"
         )
     return graph
+
+
+def _under_autodiff(label: str) -> bool:
+    """Whether an op's name stack puts it under JAX's differentiation (``jvp(...)``, or its ``transpose(...)``)."""
+    return "jvp(" in label or "transpose(" in label
 
 
 def static_hint(exc: BaseException | None, args: tuple) -> str:

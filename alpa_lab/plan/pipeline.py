@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 import jax
+import numpy as np
 
 from alpa_lab.cost.cluster import _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
@@ -41,6 +42,7 @@ from alpa_lab.plan.schema import (
 from alpa_lab.plan.single import Explanation, OpPlan, PinError, Plan, _plan_from_dict, _signed_pct, placement_tree
 from alpa_lab.plan.timeline import SCHEDULE_NAMES, Timeline, TimelineRecord, pipeline_latency
 from alpa_lab.sharding.constraints import DeviceError, spec_sharding
+from alpa_lab.sharding.spec import ShardingSpec
 
 Stages = Sequence[tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, ...]]]
 """Stages as the planner places them: (layers [start, end), sub-mesh, logical mesh, device ids) each."""
@@ -415,12 +417,12 @@ class PipelinePlan:
                 "none of the arguments given is one this pipeline plan's stages read: pass the step's arguments "
                 f"as it was planned with (the stages read e.g. {', '.join(sorted(homes['argument'])[:3])})"
             )
-        for key in keys:
-            if side == "result" and key not in homes[side]:
-                raise ValueError(
-                    f"no stage of this pipeline plan computes a result {key}: pass the step's results "
-                    "(or jax.eval_shape(step, *args)) as it was planned with"
-                )
+        missing = [key for key in keys if key not in homes[side]] if side == "result" else []
+        if missing:
+            raise ValueError(
+                f"no stage of this pipeline plan computes a result {missing[0]}: pass the step's results "
+                "(or jax.eval_shape(step, *args)) as it was planned with"
+            )
         return [homes[side].get(key, []) for key in keys], treedef
 
     def shardings(self, *args: Any, results: Any = None, devices: Sequence[Any] | None = None) -> tuple[Any, Any]:
@@ -462,7 +464,7 @@ class PipelinePlan:
         def placed(tree: Any, side: str) -> Any:
             found, treedef = self._leaf_homes(tree, side, homes)
             leaves = jax.tree_util.tree_leaves(tree)
-            pairs = [(tuple(i for i, _ in h), tuple(sp for _, sp in h)) if h else ((0,), ("R" * len(x.shape) or "-",))
+            pairs = [(tuple(i for i, _ in h), tuple(sp for _, sp in h)) if h else ((0,), (str(ShardingSpec.replicated(np.ndim(x))),))
                      for h, x in zip(found, leaves)]
             return placement_tree(leaves, treedef, pairs, meshes)
 
