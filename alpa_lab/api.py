@@ -22,14 +22,14 @@ import numpy as np
 from alpa_lab._gc import quiet_gc
 from alpa_lab.cost.cluster import ClusterSpec
 from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
-from alpa_lab.graph.markers import auto_layers
+from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, static_hint, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod, PlanMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
-from alpa_lab.passes.schedule import SCHEDULES
+from alpa_lab.passes.schedule import INFERENCE, SCHEDULES
 from alpa_lab.passes.submesh import check_submesh_space
 from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
 from alpa_lab.sharding.constraints import DeviceError
@@ -505,6 +505,19 @@ class ParallelizedStep:
         self.__doc__ = getattr(fn, "__doc__", None)
         if runs_on is not None:
             self.on_ray(runs_on)
+        if isinstance(self.parallel_method, FollowParallel) and getattr(self.parallel_method.src_func, "pipelined", False):
+            self._follow_pipeline(self.parallel_method)
+
+    def _follow_pipeline(self, method: FollowParallel) -> None:
+        """``FollowParallel`` of a pipelined step: this step is Alpa's inference pipeline over the source's stages,
+        each on its sub-mesh and logical mesh (``_FollowedStages``), its weights laid out as the source holds them
+        (``_follow_pins``), ``method.num_micro_batches`` micro-batches (default: the source's); it runs in this process."""
+        source = method.src_func
+        self.microbatches = method.num_micro_batches or source.microbatches
+        self.schedule = INFERENCE
+        self.layers, self.remat = source.layers, False
+        self.submesh_space, self.logical_meshes = source.submesh_space, source.logical_meshes
+        self.stage_option = _FollowedStages(source)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -514,6 +527,8 @@ class ParallelizedStep:
         session with another cluster drops the plans the step made itself (an edited plan stays current)."""
         if self._cluster_given is not None:
             return self._cluster_given
+        if isinstance(self.stage_option, _FollowedStages):  # an inference pipeline over another step's stages: its cluster
+            return self.stage_option.source.cluster
         generation, session = _session_cluster()
         if self._ray_chosen:  # on_ray(...) said where it runs
             generation, session = self._generation, None
@@ -583,6 +598,7 @@ class ParallelizedStep:
                     graph, split = trace_microbatched(
                         self.fn, args, self.microbatches, self.layers or DEFAULT_LAYERS, remat=self.remat,
                         layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args), soft_batch=self._alpa_batch,
+                        inference=self.schedule == INFERENCE,
                     )
                 else:
                     graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
@@ -637,6 +653,9 @@ class ParallelizedStep:
         t0 = time.perf_counter()
         graph = self.trace(*args)
         split = self._split(*args)
+        if isinstance(self.stage_option, _FollowedStages):  # the source's weights where the source holds them
+            followed = self._follow(args, pipeline=True)[2]
+            pins = {**followed, **(pins or {})} or None
         traced = time.perf_counter() - t0
         problem, stages, timeline = plan_pipeline(
             graph,
@@ -650,6 +669,7 @@ class ParallelizedStep:
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
             batch_vars=self._named_split(args, graph, split),
+            split_vars=frozenset(v for v, cut in zip(graph.invars, split) if cut),
             logical_meshes=self.logical_meshes,
             fixed=None if self.stage_option is None else self.stage_option.assign,
             batch_mesh_axis=self.batch_mesh_axis,
@@ -675,6 +695,8 @@ class ParallelizedStep:
         )
         if pins:
             plan = plan._replan(plan._current_stages(), pins, plan.stage_pins)
+        if isinstance(self.stage_option, _FollowedStages):
+            self.stage_option.check(plan)
         return plan
 
     def _stage_timer(self, split: tuple[bool, ...]) -> Any:
@@ -719,9 +741,12 @@ class ParallelizedStep:
         self.current_plan = plan
         return plan
 
-    def _follow(self, args: tuple) -> tuple[ClusterSpec, tuple[int, int], dict[str, str]]:
+    def _follow(self, args: tuple, pipeline: bool = False) -> tuple[ClusterSpec, tuple[int, int] | None, dict[str, str]]:
         """``FollowParallel``: the source's cluster and mesh, and a pin per argument leaf holding it as the
-        source's plan holds the matching leaf (where that spec fits the leaf's shape; otherwise it is planned)."""
+        source's plan holds the matching leaf (where that spec fits the leaf's shape; otherwise it is planned).
+        ``pipeline``: the source is pipelined and this step its inference pipeline (``_follow_pipeline``): each
+        weight gets the layout of the source's first stage reading it (the batch, cut into micro-batches, is
+        planned), and the mesh is None (each stage has its own)."""
         method = self.parallel_method
         source = method.src_func
         if not isinstance(source, ParallelizedStep):
@@ -730,11 +755,10 @@ class ParallelizedStep:
             raise MethodOptionError("FollowParallel: the step it follows was never run or planned: call it (or "
                                     "step.plan(state, batch)) first")
         src_plan = source.current_plan
-        if isinstance(src_plan, PipelinePlan):
+        if isinstance(src_plan, PipelinePlan) != pipeline:
             raise MethodOptionError(
-                "FollowParallel follows a single-mesh plan; the step it follows is pipelined (Alpa's inference pipeline "
-                "is not planned here): parallelize this step with ShardParallel() (its arguments are then moved to its "
-                "plan's layout)")
+                f"FollowParallel: the step followed was {'not ' if pipeline else ''}pipelined when this step was made, and "
+                f"{'is not' if pipeline else 'is'} now: parallelize this step again with FollowParallel")
         if method.get_input_placement_specs is not None:
             candidates = [method.get_input_placement_specs()]
         else:  # Alpa's default: the source's (state.params, batch); a step taking (state, batch) follows the whole state
@@ -762,15 +786,19 @@ class ParallelizedStep:
                     f"of the step followed: {str(exc).splitlines()[0]}") from exc
         spec_leaves = [s for group in jax.tree_util.tree_leaves(per_subtree) for s in group]
         graph = self.trace(*args)
+        cut = self._split(*args) if pipeline else (False,) * len(leaves)
         pins = {}
-        for name, x, spec in zip((graph.vars[v].name for v in graph.invars), leaves, spec_leaves):
-            if spec is None:
+        for name, x, spec, is_cut in zip((graph.vars[v].name for v in graph.invars), leaves, spec_leaves, cut):
+            if spec is None or is_cut:
                 continue
             text = spec.sharding_specs[0]
-            if tuple(spec.aval.shape) == tuple(np.shape(x)) or ShardingSpec.parse(text).is_valid_for(np.shape(x), src_plan.mesh_shape):
+            if pipeline:  # a weight: as the source's first stage reading it holds it
+                if tuple(spec.aval.shape) == tuple(np.shape(x)):
+                    pins[name] = text
+            elif tuple(spec.aval.shape) == tuple(np.shape(x)) or ShardingSpec.parse(text).is_valid_for(np.shape(x), src_plan.mesh_shape):
                 pins[name] = text  # another size (an evaluation batch) keeps the layout where it fits
         self._followed = src_plan
-        return source.cluster, src_plan.mesh_shape, pins
+        return source.cluster, None if pipeline else src_plan.mesh_shape, pins
 
     def _refollow(self) -> None:
         """``FollowParallel``: forget the step's own plans once the source's plan changed (re-planned on the next call)."""
@@ -820,7 +848,9 @@ class ParallelizedStep:
                         )
                     problem = self._problems.get(graph.fingerprint)
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
-                        problem = PipelineProblem.build(graph, ClusterSpec(**plan.cluster))
+                        problem = PipelineProblem.build(
+                            graph, ClusterSpec(**plan.cluster), inference=plan.schedule == INFERENCE,
+                            batch=frozenset(v for v, cut in zip(graph.invars, self._split(*args)) if cut))
                         problem.batch_vars = self._named_split(args, graph, self._split(*args))
                         if dict(plan.cluster) == self.cluster.to_dict():
                             with self._cache_lock:
@@ -1098,6 +1128,9 @@ class ParallelizedStep:
 
         if self.current_plan is None:
             raise ValueError("this step has no plan yet: call step.plan(state, batch) first")
+        if getattr(self.current_plan, "schedule", None) == INFERENCE:
+            raise ValueError("this step is an inference pipeline (a step without gradients): it has no state to train; "
+                             "call it, step(params, batch), for its results")
         if isinstance(batches, (list, tuple, Mapping)) or hasattr(batches, "shape"):  # its first batch, unconsumed
             from alpa_lab.runtime.training import batch_stream
 
@@ -1287,6 +1320,44 @@ class _Group(list):
     """A leaf's placements (a list subclass, so not a pytree node: ``FollowParallel``'s prefix broadcast)."""
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FollowedStages:
+    """The stages of the pipelined step ``source`` that an inference pipeline follows (``FollowParallel``): its
+    current plan's layer ranges, sub-meshes and logical meshes, read when the follower plans (``plan_pipeline``'s
+    ``fixed``), so the follower's stage i runs on the devices where the source's stage i holds its weights."""
+
+    source: Any
+
+    def plan(self) -> PipelinePlan:
+        plan = self.source.current_plan
+        if not isinstance(plan, PipelinePlan):
+            raise MethodOptionError("FollowParallel: the pipelined step it follows was never run or planned: call it (or "
+                                    "step.plan(state, batch)) first")
+        if plan.num_meshes != plan.num_stages:
+            raise MethodOptionError(
+                f"FollowParallel: the step followed interleaves {plan.num_stages} stages over {plan.num_meshes} meshes "
+                "(interleaved_1f1b); an inference pipeline follows one stage per mesh: follow a step planned with 1f1b or gpipe")
+        return plan
+
+    def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        plan = self.plan()
+        if problem.slicing.num_layers != plan.num_layers:
+            raise MethodOptionError(
+                f"FollowParallel: this step has {problem.slicing.num_layers} layers but the pipelined step it follows has "
+                f"{plan.num_layers}: evaluate the model the train step pipelines, with the same boundaries "
+                "(mark_pipeline_boundary() calls, or the same AutoLayerOption layer_num)")
+        return ([[st.layers[0], st.layers[1] - 1] for st in plan.stages], [tuple(st.submesh_shape) for st in plan.stages],
+                [tuple(st.logical_shape) for st in plan.stages])
+
+    def check(self, plan: PipelinePlan) -> None:
+        """Raise unless ``plan``'s stages run on the devices of the source's."""
+        source = self.plan()
+        mine, theirs = [tuple(st.device_ids) for st in plan.stages], [tuple(st.device_ids) for st in source.stages]
+        if mine != theirs:
+            raise MethodOptionError(
+                f"FollowParallel: the stages were placed on devices {mine} but the step followed runs them on {theirs}")
+
+
 class StateCreator:
     """``parallelize(create_state, method=CreateStateParallel(train_step, other_args))`` (Alpa's): a call makes
     the state on the devices where ``train_step``'s plan reads it (its first argument), each mesh computing
@@ -1389,7 +1460,7 @@ class StateExecutable:
 
 def trace_microbatched(
     fn: Callable, args: tuple, num_microbatches: int, layers: int, *, remat: bool = False, layers_asked: bool = True,
-    batch_argnums: tuple[int, ...] | None = None, soft_batch: bool = False,
+    batch_argnums: tuple[int, ...] | None = None, soft_batch: bool = False, inference: bool = False,
 ) -> tuple[OpGraph, tuple[bool, ...]]:
     """``fn`` traced on one micro-batch and cut into ``layers`` layers (each under ``jax.checkpoint``
     with ``remat``), and which flat leaves were split.
@@ -1400,9 +1471,17 @@ def trace_microbatched(
     Once, not twice, in the usual case: the batch is guessed from the arguments' shapes (the
     arguments whose array leaves share one leading dimension), the micro-batch traced, and the
     guess checked against that trace's results by ``microbatch_args``' rule (a leaf returned in
-    place is state, every other leaf with the batch's leading dimension is batch). A wrong
-    guess costs the full-batch trace ``microbatch_args`` does, then the trace again.
+    place is state, every other leaf with the batch's leading dimension is batch). A step that returns no
+    state (an evaluation, a step returning gradients) gives that rule nothing to tell the weights from the batch
+    by, so for it the guess stands. A wrong guess costs the full-batch trace ``microbatch_args`` does, then the
+    trace again.
+
+    ``inference``: a step without gradients (``schedule="inference"``), cut at its boundaries or into layers as a
+    loss function is (``forward_layers``). It returns what it computes per example (put back together over the
+    micro-batches) and no state, so the results cannot tell the batch from the weights: the guess stands.
     """
+    if inference:
+        fn = forward_layers(fn)
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     if batch_argnums is not None:
         named = named_leaves(args, batch_argnums)
@@ -1420,7 +1499,8 @@ def trace_microbatched(
             raise _on_one_microbatch(err, fn, args, split, f"batch_argnums={batch_argnums}: is a per-example argument "
                                      "missing from it?") from err
         _refuse_named_state(fn, args, batch_argnums, split, graph)
-        _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+        if not inference:
+            _refuse_per_example_results(fn, args, graph, split, num_microbatches)
         return graph, split
     guess = _guess_split(args, num_microbatches)
     if guess is not None:
@@ -1433,6 +1513,12 @@ def trace_microbatched(
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
         except TraceError:
             graph = None  # the guess made shapes the step cannot take: ask the full-batch trace
+        if graph is not None and (inference or not find_aliases(graph)):
+            # no state returned (an evaluation, a step returning gradients): its results cannot tell the batch from
+            # the weights, while the arguments whose leaves share one leading size can
+            if not inference:
+                _refuse_per_example_results(fn, args, graph, guess, num_microbatches)
+            return graph, guess
         if graph is not None:  # the rule on the micro-batch's trace: its batch leaves, scaled back up
             results = [(p, tuple(graph.vars[v].shape), str(graph.vars[v].dtype)) for p, v in zip(graph.out_paths, graph.outvars)]
             leaves = [(_path_str(p), tuple(m.shape), str(m.dtype)) for (p, _), m in zip(flat, micro)]
@@ -1448,7 +1534,8 @@ def trace_microbatched(
     except TraceError as err:
         raise _on_one_microbatch(err, fn, args, split, "the leading size most data leaves share; name the batch with "
                                  "parallelize(..., batch_argnums=(1,)) if it is other arguments") from err
-    _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+    if not inference:
+        _refuse_per_example_results(fn, args, graph, split, num_microbatches)
     _warn_if_ambiguous(fn, args, graph, split)
     return graph, split
 

@@ -588,11 +588,12 @@ class FollowParallel(ParallelMethod):
     ``get_input_placement_specs``: a function returning the ``PlacementSpec`` pytree of this step's
     arguments (None: Alpa's default, the source's last executable's ``(state.params, batch)``). A leaf whose
     spec is None is planned freely, and so is one whose followed spec does not fit its shape (an evaluation
-    batch of another size). The step re-plans when the source's plan changes. Following a pipelined step
-    (Alpa's "inference" pipeline) is refused by name: plan the evaluation with ``ShardParallel`` instead.
-    ``num_micro_batches``, ``pipeline_schedule`` and ``layer_option`` are accepted for Alpa's signature and
-    change nothing on one mesh (an evaluation has no gradients to accumulate over micro-batches).
-    ``ParallelizedStep._follow`` reads the placements."""
+    batch of another size). The step re-plans when the source's plan changes. Following a pipelined step makes
+    this one Alpa's inference pipeline over the source's stages (the same layers, sub-meshes, logical meshes and
+    devices; each weight in the source's layout; ``num_micro_batches`` micro-batches, default the source's), run in
+    this process (``ParallelizedStep._follow_pipeline``). ``pipeline_schedule`` and ``layer_option`` are accepted
+    for Alpa's signature (the layers are the source's); on one mesh ``num_micro_batches`` changes nothing (an
+    evaluation has no gradients to accumulate). ``ParallelizedStep._follow`` reads the placements."""
 
     src_func: Any
     num_micro_batches: int | None = None
@@ -679,7 +680,8 @@ class PipeshardParallel(ParallelMethod):
     ``layer_option``: ``AutoLayerOption(layer_num=...)`` (default 2 layers, as Alpa 0.2), or "manual" /
     ``ManualLayerOption()`` for your ``mark_pipeline_boundary()`` calls. ``stage_option``: "auto" /
     ``AutoStageOption()`` (the stage DP), ``ManualStageOption(...)``, or "uniform" / ``UniformStageOption()``
-    (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others). ``devices``: the
+    (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others), or "inference" for a
+    step without gradients (an evaluation: its forward pipelined over the stages). ``devices``: the
     cluster to plan for, as ``ShardParallel``'s (a ``VirtualPhysicalMesh``: part of a Ray cluster, run there).
     """
 
@@ -698,10 +700,6 @@ class PipeshardParallel(ParallelMethod):
             raise MethodOptionError(
                 "PipeshardParallel(stage_input_shardings=...) is not supported: the planner chooses each stage's input "
                 "layouts; pin an op's strategy on the plan (plan.pin(op, strategy)) to fix one")
-        if self.pipeline_schedule == "inference":
-            raise MethodOptionError(
-                "pipeline_schedule='inference' is not supported: this planner plans training steps (a forward, a "
-                "backward and an update); choose '1f1b' or 'gpipe'")
         option = self.default_auto_sharding_option or AutoShardingOption(prefer_reduce_scatter=True)
         out: dict[str, Any] = {
             "method": option.method_name(),

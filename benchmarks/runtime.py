@@ -11,7 +11,12 @@ With ``--pipeline`` it also runs each model pipelined on 2 hosts x 4 simulated d
 (2 stages on 1x4 sub-meshes, 4 micro-batches, each schedule; interleaved: 2 chunks per mesh) against, in the same run, the
 single-mesh plan on all 8 devices and ``jax.jit`` on one device.
 
-    python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2] [--pipeline]
+With ``--inference`` it also runs each model's loss without gradients (an evaluation) as an inference
+pipeline (``schedule="inference"``: the same 2 stages on 1x4 sub-meshes, 4 micro-batches) against, in the
+same run, the single-mesh plan of the evaluation on all 8 devices and ``jax.jit`` on one device (results
+checked equal).
+
+    python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2] [--pipeline] [--inference]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--mesh", default="2x2")
     parser.add_argument("--pipeline", action="store_true", help="also run the pipelined rows (needs 8 devices)")
+    parser.add_argument("--inference", action="store_true", help="also run the inference pipeline rows (needs 8 devices)")
     args = parser.parse_args()
     n0, n1 = (int(x) for x in args.mesh.split("x"))
     cluster = al.ClusterSpec.local(1, n0 * n1)
@@ -65,6 +71,8 @@ def main() -> None:
               f"{step_s * 1e3:>8.2f} {base_s * 1e3:>8.2f} {step_s / base_s:>6.2f}", flush=True)
     if args.pipeline:
         pipeline_rows(args.models.split(","), args.steps)
+    if args.inference:
+        inference_rows(args.models.split(","), args.steps)
 
 
 def pipeline_rows(models: list[str], steps: int) -> None:
@@ -89,6 +97,50 @@ def pipeline_rows(models: list[str], steps: int) -> None:
             first, step_s = timed_steps(step, ex.state, ex.batch, steps)
             print(f"{name:<12} {schedule:<16} {plan_s:>7.2f} {first:>9.2f} | {step_s * 1e3:>8.2f} {flat_s * 1e3:>8.2f} "
                   f"{jit_s * 1e3:>8.2f} | {step_s / flat_s:>9.2f} {step_s / jit_s:>7.2f}", flush=True)
+
+
+def timed_calls(fn, args: tuple, steps: int) -> tuple[float, float, object]:
+    """(seconds of the first call, which compiles; median seconds of the next ``steps``; the result)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times), out
+
+
+def inference_rows(models: list[str], steps: int) -> None:
+    cluster = al.ClusterSpec.local(2, 4)
+    print(f"\ninference pipeline on {cluster.name}: each model's loss without gradients, 2 stages (1x4 sub-meshes), "
+          f"4 micro-batches; baselines: the single-mesh plan on the same 8 devices and jax.jit on one device; medians "
+          f"of {steps} calls")
+    print(f"{'model':<12} {'plan s':>7} {'compile s':>9} | {'call ms':>8} {'1 mesh':>8} {'jit':>8} | {'vs 1 mesh':>9} {'vs jit':>7}")
+    for name in models:
+        config_cls, make = EXAMPLES[name]
+        ex = make(config_cls())
+        model_state = ex.state.model_state
+
+        def evaluate(params, batch, ex=ex, model_state=model_state):
+            return ex.loss_fn(params, model_state, batch)[0]
+
+        args = (ex.state.params, ex.batch)
+        flat = al.parallelize(evaluate, cluster=cluster, mesh_shape=(2, 4))
+        flat.plan(*args)
+        _, flat_s, flat_out = timed_calls(flat, args, steps)
+        _, jit_s, jit_out = timed_calls(jax.jit(evaluate), args, steps)
+        step = al.parallelize(evaluate, cluster=cluster, microbatches=4, layers=4, schedule="inference", batch_argnums=(1,))
+        t0 = time.perf_counter()
+        step.use(step.plan(*args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)]))
+        plan_s = time.perf_counter() - t0
+        first, step_s, out = timed_calls(step, args, steps)
+        # BatchNorm in training mode normalises each micro-batch by its own statistics: not the full batch's
+        check = "" if name == "wide_resnet" else f"  (|pipeline - jit| {abs(float(out) - float(jit_out)):.1e})"
+        print(f"{name:<12} {plan_s:>7.2f} {first:>9.2f} | {step_s * 1e3:>8.2f} {flat_s * 1e3:>8.2f} {jit_s * 1e3:>8.2f} | "
+              f"{step_s / flat_s:>9.2f} {step_s / jit_s:>7.2f}{check}", flush=True)
+        del flat_out
 
 
 if __name__ == "__main__":

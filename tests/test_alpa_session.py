@@ -193,6 +193,14 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
         assert p_eval.current_plan.mesh_shape == p_shard.current_plan.mesh_shape
         assert jax.tree_util.tree_leaves(p_eval.get_last_executable().get_input_placement_specs()[0]) == \
             jax.tree_util.tree_leaves(p_shard.get_last_executable().get_input_placement_specs()[0].params)
+        # the pipelined step's evaluation: an inference pipeline over its stages, run in this process
+        p_peval = al.parallelize(eval_loss, method=al.FollowParallel(step))
+        two = jax.jit(train_step)(expected, batch)
+        assert float(p_peval(out2.params, batch)) == pytest.approx(float(eval_loss(two.params, batch)), rel=1e-4)
+        assert p_peval.ray_cluster is None and p_peval.current_plan.schedule == "inference"
+        assert [st.device_ids for st in p_peval.current_plan.stages] == [st.device_ids for st in step.current_plan.stages]
+        with pytest.raises(al.LaunchError, match="inference pipeline .* runs in this process"):
+            p_peval.on_ray(cluster)(out2.params, batch)
     finally:
         al.shutdown()
     assert not ray.is_initialized() and al.get_global_cluster() is None

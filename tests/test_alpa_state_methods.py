@@ -141,10 +141,6 @@ def test_bad_uses_are_refused_by_name():
     p_train = al.parallelize(train_step, method=al.ShardParallel())
     with pytest.raises(al.MethodOptionError, match="never run or planned"):
         al.parallelize(eval_step, method=al.FollowParallel(p_train))(create_state().params, BATCH)
-    piped = al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2)))
-    piped(create_state(), BATCH)
-    with pytest.raises(al.MethodOptionError, match="follows a single-mesh plan; the step it follows is pipelined"):
-        al.parallelize(eval_step, method=al.FollowParallel(piped))(create_state().params, BATCH)
     p_train(create_state(), BATCH)
     with pytest.raises(al.MethodOptionError, match="do not have the structure of this step's arguments.*or \\(state, batch\\)"):
         al.parallelize(lambda p: jnp.sum(p["params"]["Dense_0"]["kernel"]), method=al.FollowParallel(p_train))(create_state().params)

@@ -310,7 +310,6 @@ def test_alpas_logical_mesh_spaces(mlp, cluster, space):
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: al.PipeshardParallel(num_micro_batches=4, pipeline_schedule="inference"), "plans training steps"),
     (lambda: al.PipeshardParallel(num_micro_batches=4, layer_option=al.AutoLayerOption(layer_num=2, remat_mode="fine_grained_remat")),
      "fine-grained remat is not supported"),
     (lambda: al.ShardParallel(devices=jax.devices()[:4]), r"devices=\.\.\.\) takes a LogicalDeviceMesh.*got list.*ClusterSpec.local"),

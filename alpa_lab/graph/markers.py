@@ -50,7 +50,7 @@ from alpa_lab.graph.opgraph import Op, is_inexact
 __all__ = [
     "KINDS", "LOSS", "BoundaryFound", "auto_layers", "automatic_layer_construction", "cutting_boundaries", "grad", "is_cut",
     "manual_layer_construction",
-    "mark_stage_boundary", "pipeline_marker_p",
+    "forward_layers", "mark_stage_boundary", "pipeline_marker_p",
     "value_and_grad", "watch_boundaries", "watching_boundaries",
 ]
 
@@ -70,6 +70,8 @@ _CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("alpa_
 _CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_cutting", default=False)
 """Whether ``value_and_grad`` turns argument-less boundaries into tensor boundaries."""
 _IN_VALUE_AND_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_in_value_and_grad", default=False)
+# a step without gradients is being cut (``forward_layers``): the layer-construction decorators cut, and mark no loss
+_FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_forward_only", default=False)
 """Whether an ``alpa_lab.value_and_grad`` is differentiating (it cuts and rematerializes its loss itself)."""
 
 _CALLS_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
@@ -691,6 +693,25 @@ def _prepared(fun: Callable, args: tuple, kw: dict) -> tuple[Callable, dict]:
     return f, ({} if f is not fun else kw)  # the cut, layered or rematerialized function closed over them
 
 
+def forward_layers(fun: Callable) -> Callable:
+    """``fun``, a step without gradients (an inference pipeline's), cut as ``value_and_grad`` cuts a loss function:
+    at its argument-less boundaries (a marker on every tensor that crosses each), else into the layers
+    ``auto_layers`` asks for. A loss function it calls under Alpa's layer-construction decorators is cut so too,
+    without the loss and gradient markers (there is no backward to mirror them)."""
+
+    def wrapped(*args: Any, **kw: Any) -> Any:
+        token = _FORWARD_ONLY.set(True)
+        try:
+            f, kw = _prepared(fun, args, kw)
+            return f(*args, **kw)
+        finally:
+            _FORWARD_ONLY.reset(token)
+
+    wrapped.__name__ = getattr(fun, "__name__", "step")
+    wrapped.__doc__ = getattr(fun, "__doc__", None)
+    return wrapped
+
+
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
     """``jax.value_and_grad`` that marks the loss and every gradient leaf (see module doc)."""
 
@@ -799,6 +820,8 @@ def _layer_constructed(fun: Callable, layer_num: int | None, remat_layer: bool) 
         finally:
             for var, token in reversed(tokens):
                 var.reset(token)
+        if _FORWARD_ONLY.get():  # an inference step's: cut, with no loss or gradients to mark
+            return f(*args, **kw)
         # what alpa_lab.value_and_grad marks around jax's: the loss, and (through the arguments' backward) every
         # gradient leaf, so the pipeline tells the forward and backward from the update
         args = jax.tree_util.tree_map(lambda a: _gradient_point(a) if _inexact(a) else a, args)

@@ -59,7 +59,7 @@ class ParallelizeMagics(Magics):
     @argument("--ray", default=None, help="plan for and run on a Ray cluster: local:HxD (started here on 127.0.0.1), auto or "
               "HOST:PORT (with --cluster HxD: that part of it)")
     @argument("--microbatches", type=int, default=None, help="pipeline the step over this many micro-batches")
-    @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))}")
+    @argument("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(sorted(SCHEDULES))} (inference: a step without gradients)")
     @argument("--layers", type=int, default=None, help="layers the automatic layering cuts the step into")
     @argument("--method", default="alpa", help=f"planning method: {', '.join(al.METHODS)}")
     @argument("--max-stages", type=int, default=None, help="at most this many pipeline stages")

@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 from alpa_lab.notebook import render, views
 from alpa_lab.notebook.autosize import WORKBENCH_CLASS, FitToWidth, figure_widget
 from alpa_lab.plan import PipelinePlan, Plan
-from alpa_lab.passes.schedule import SCHEDULES
+from alpa_lab.passes.schedule import INFERENCE, TRAINING_SCHEDULES
 
 __all__ = ["Workbench"]
 
@@ -144,7 +144,7 @@ class Workbench(W.VBox):
         self.tensor_select.observe(lambda _: self._show_tensor(), "value")
         self.heatmap_box = W.VBox()
         # timeline
-        self.schedule_select = W.Dropdown(description="schedule", options=sorted(SCHEDULES))
+        self.schedule_select = W.Dropdown(description="schedule", options=sorted(TRAINING_SCHEDULES))
         self.schedule_select.observe(self._on_schedule, "value")
         self.trace_path = W.Text(value="alpa_lab_trace.json", description="trace file")
         self.export_button = W.Button(description="Export Chrome trace", icon="download")
@@ -263,8 +263,11 @@ class Workbench(W.VBox):
             self.tensor_select.value = next((n for n in names if not n.startswith("[")), names[0] if names else "")
         self._show_tensor()
         if self.pipelined:
-            if self.schedule_select.value != plan.schedule:
+            # a forward-only (inference) step has one schedule; a training step any of the others
+            options = [INFERENCE] if plan.schedule == INFERENCE else sorted(TRAINING_SCHEDULES)
+            if self.schedule_select.value != plan.schedule or list(self.schedule_select.options) != options:
                 self._setting_schedule = True
+                self.schedule_select.options = options
                 self.schedule_select.value = plan.schedule
                 self._setting_schedule = False
         self._draw_timeline()

@@ -56,7 +56,7 @@ from alpa_lab.passes.methods import (
     AXIS_SYMMETRIC_METHODS, TIE_PERIODS, MethodError, make_plan, method_restrictions, solve_tied,
 )
 from alpa_lab.passes.schedule import (
-    BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, WARMUP_SCHEDULES, Schedule, Timeline, make_schedule, one_f_one_b_estimate,
+    INFERENCE, BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, WARMUP_SCHEDULES, Schedule, Timeline, make_schedule, one_f_one_b_estimate,
     one_f_one_b_windows, simulate, warmup_makespan, warmup_peaks, warmup_timeline,
 )
 from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
@@ -198,6 +198,8 @@ class PipelineProblem:
     reads: tuple[np.ndarray, ...] | None = None
     """(var, reading op, producing op, bytes) of every read of a tensor computed before the update, by an
     op before the update (``stage_reads``): what a boundary between stages can carry"""
+    inference: bool = False
+    """a step without gradients (``schedule="inference"``): forward ops only, planned and run with that schedule"""
     candidates: list[tuple[InterOpPlan, float, float | None]] = field(default_factory=list)
     """the last ``plan_pipeline``'s candidates: (the DP's stages, their floor (``estimated_step``), their
     simulated step once planned; None: not planned, as the floor was above a planned step; inf: over memory)"""
@@ -209,10 +211,16 @@ class PipelineProblem:
         return self.pieces[layers]
 
     @classmethod
-    def build(cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True) -> PipelineProblem:
-        """Slice ``graph``; with ``reuse`` layers of equal structure share their costs (TAP)."""
+    def build(
+        cls, graph: OpGraph, cluster: ClusterSpec, *, reuse: bool = True, inference: bool = False,
+        batch: frozenset[int] | None = None,
+    ) -> PipelineProblem:
+        """Slice ``graph``; with ``reuse`` layers of equal structure share their costs (TAP).
+
+        ``inference``: a step without gradients (``schedule="inference"``), whose ``batch`` (the arguments cut into
+        micro-batches) is its data and whose other arguments are its weights (none is returned as new state)."""
         t0 = time.perf_counter()
-        slicing = slice_program(graph)
+        slicing = slice_program(graph, inference=inference, batch=batch)
         keys: dict[tuple, int] = {}
         layer_keys = []
         for lay in range(slicing.num_layers):
@@ -227,13 +235,16 @@ class PipelineProblem:
             and any(slicing.phase[c] == BACKWARD for v in op.outputs for c in consumers[v])
         )
         kinds = classify_arguments(graph)
+        if inference:
+            kinds = {v: "data" if v in slicing.data else "param" for v in kinds}
         sizes = {"param": 0.0, "optimizer_state": 0.0}
         for v, kind in kinds.items():
             if kind in sizes:
                 sizes[kind] += graph.vars[v].nbytes
         factor = 1.0 + sizes["optimizer_state"] / sizes["param"] if sizes["param"] else 1.0
         problem = cls(
-            graph, slicing, cluster, kinds, tuple(layer_keys), reuse=reuse, saved=saved, state_factor=factor, consumers=consumers
+            graph, slicing, cluster, kinds, tuple(layer_keys), reuse=reuse, saved=saved, state_factor=factor, consumers=consumers,
+            inference=inference,
         )
         problem.seconds["slicing"] = time.perf_counter() - t0
         return problem
@@ -371,8 +382,10 @@ class PipelineProblem:
 
     @functools.cached_property
     def accumulated(self) -> frozenset[int]:
-        """The floating tensors summed over the micro-batches (``ProgramSlicing.accumulated``)."""
-        return frozenset(v for v in self.slicing.accumulated if is_inexact(self.graph.vars[v].dtype))
+        """The floating tensors summed over the micro-batches (``ProgramSlicing.accumulated``; an inference step's
+        per-example results are put together, not summed)."""
+        stacked = set(self.slicing.stacked)
+        return frozenset(v for v in self.slicing.accumulated if v not in stacked and is_inexact(self.graph.vars[v].dtype))
 
     def stage_graph(
         self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1
@@ -607,6 +620,10 @@ class PipelineProblem:
 
     def with_schedule(self, plan: PipelinePlan, schedule: str, chunks: int) -> PipelinePlan:
         """``PipelinePlan.with_schedule``: the same stages under ``schedule`` (interleaved: ``chunks`` per mesh)."""
+        if (schedule == INFERENCE) != self.inference:
+            raise InterOpError(
+                "an inference plan (a step without gradients) runs the inference schedule only" if self.inference else
+                f"schedule {schedule!r} runs a step without gradients; this step takes them: choose a training schedule")
         stages = plan._current_stages()
         if schedule == "interleaved_1f1b" and plan.num_meshes == plan.num_stages:
             stages = interleave(stages, plan.num_layers, chunks)
@@ -1158,6 +1175,7 @@ def plan_pipeline(
     submesh_space: str = "all",
     screen_candidates: bool = True,
     batch_vars: frozenset[int] | None = None,
+    split_vars: frozenset[int] | None = None,
     fixed: Callable[[PipelineProblem], tuple] | None = None,
     batch_mesh_axis: int | None = None,
     stage_axes: Callable[[int], Sequence[int | None]] | None = None,
@@ -1177,7 +1195,8 @@ def plan_pipeline(
     whole-host counts 2..N as the paper, or ``"power_of_two"`` as Alpa's implementation
     (log2 N shapes instead of N - 1: what makes 128 hosts plannable; the DP's optimum is then
     over that space). ``screen_candidates=False`` plans every candidate (see ``estimated_step``).
-    ``batch_vars``: the batch arguments the user named (``PipelineProblem.batch_vars``).
+    ``batch_vars``: the batch arguments the user named (``PipelineProblem.batch_vars``). ``split_vars``: the
+    arguments cut into micro-batches, named or found (an inference step's data, ``PipelineProblem.build``).
     ``fixed``: the stages are given, not searched: called with the problem, it returns ([first, last] layers,
     sub-meshes or None, logical meshes or None) per stage, as ``fixed_stages`` takes them (Alpa's manual and
     uniform stage options, ``parallel_method``); no DP runs.
@@ -1188,7 +1207,12 @@ def plan_pipeline(
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
     check_submesh_space(submesh_space)
-    problem = problem or PipelineProblem.build(graph, cluster)
+    inference = schedule == INFERENCE
+    problem = problem or PipelineProblem.build(graph, cluster, inference=inference, batch=split_vars)
+    if problem.inference != inference:
+        raise InterOpError(
+            f"this step {'has no gradients' if problem.inference else 'takes gradients'}: plan it with "
+            f"{'the inference schedule' if problem.inference else 'a training schedule (1f1b, gpipe, ...)'}, not {schedule!r}")
     if batch_vars is not None:
         problem.batch_vars = batch_vars
     problem.batch_mesh_axis = batch_mesh_axis
@@ -1555,6 +1579,7 @@ def in_flight_rule(schedule: str, num_microbatches: int) -> Callable[[int], int]
     B = num_microbatches
     rules = {
         "gpipe": lambda s: B,
+        "inference": lambda s: B,  # forwards only: nothing is kept for a backward (eq. 5's activations are 0)
         "1f1b": lambda s: min(s, B),
         "zb_h1": lambda s: min(s, B),
         "eager_1f1b": lambda s: min(2 * s - 1, B),

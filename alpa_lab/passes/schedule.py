@@ -66,7 +66,9 @@ __all__ = [
     "FORWARD",
     "KINDS",
     "PHASES",
+    "INFERENCE",
     "SCHEDULES",
+    "TRAINING_SCHEDULES",
     "SPLIT_BACKWARD",
     "Instruction",
     "Schedule",
@@ -311,6 +313,7 @@ _WARMUP: dict[str, Callable[[int, int, int], int]] = {
     "gpipe": lambda S, M, s: M,
     "1f1b": lambda S, M, s: S - s,
     "eager_1f1b": lambda S, M, s: 2 * (S - s - 1) + 1,  # 0-based s is 1-based s + 1: 2 (S - (s + 1)) + 1
+    "inference": lambda S, M, s: M,
 }
 """The schedules that are a warm-up of forwards then 1B1F, one stage per mesh: stage s's warm-up forwards
 (capped at M) for S stages and M micro-batches"""
@@ -418,13 +421,26 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("zb_h1", S, M, tuple(_lower(order, range(S)) for order in programs))
 
 
+def inference(num_stages: int, num_microbatches: int) -> Schedule:
+    """Alpa's inference pipeline (``pipeline_schedule="inference"``): each stage runs every micro-batch's forward
+    in turn, as GPipe's forwards. A forward-only step has no backward ops, so the backward RUNs GPipe's lists keep
+    run nothing and take no time: the checks, the simulation and the runtime of the training schedules run it as
+    they are."""
+    _validate_sizes(num_stages, num_microbatches)
+    return _build(INFERENCE, num_stages, num_microbatches, lambda s: num_microbatches)
+
+
+INFERENCE = "inference"
 SCHEDULES: dict[str, Callable[..., Schedule]] = {  # in the order of plan.timeline.SCHEDULE_NAMES
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "eager_1f1b": eager_one_f_one_b,
     "interleaved_1f1b": interleaved_one_f_one_b,
     "zb_h1": zb_h1,
+    INFERENCE: inference,
 }
+TRAINING_SCHEDULES = tuple(name for name in SCHEDULES if name != INFERENCE)
+"""The schedules of a training step (a forward, a backward and an update); ``INFERENCE`` is a forward-only step's."""
 _TAKES_NUM_MESHES = frozenset({"interleaved_1f1b"})  # several stages per mesh
 SPLIT_BACKWARD = frozenset({"zb_h1"})
 """The schedules whose backward is split into B and W (``Schedule.split_backward``), known without building one."""

@@ -55,6 +55,9 @@ class ProgramSlicing:
     pipeline averages them over micro-batches (gradients, the loss, batch statistics)."""
     data: tuple[int, ...]
     """argument vars that are per-step data (split into micro-batches)."""
+    stacked: tuple[int, ...] = ()
+    """an inference step's results with a micro-batch's rows (its outputs per example): the pipeline puts the
+    micro-batches' values back together along the first axis instead of averaging them."""
 
     def ops_of(self, layers: range | Sequence[int], phases: Sequence[str] = (FORWARD, BACKWARD, APPLY)) -> list[int]:
         """Op indices in ``layers`` with a phase in ``phases``, in program order."""
@@ -79,17 +82,31 @@ def _is_marker(op, kind: str) -> bool:
     return op.primitive == "pipeline_marker" and op.params["kind"] == kind
 
 
-def slice_program(graph: OpGraph) -> ProgramSlicing:
-    """Phase and layer of every op; raises ``SlicingError`` if the step is not pipelinable."""
+def slice_program(graph: OpGraph, inference: bool = False, batch: frozenset[int] | None = None) -> ProgramSlicing:
+    """Phase and layer of every op; raises ``SlicingError`` if the step is not pipelinable.
+
+    ``inference``: the step has no gradients (an evaluation, Alpa's ``pipeline_schedule="inference"``): every op
+    is a forward op, cut into layers by its boundaries; results with a micro-batch's rows (``stacked``) are put
+    back together along their first axis. ``batch``: an inference step's arguments cut into micro-batches (its
+    data; the others are weights); None: every argument not returned, as for a training step."""
     ops = graph.ops
     producer = [graph.vars[v].producer for v in range(len(graph.vars))]
     loss_markers = [op.index for op in ops if _is_marker(op, "boundary") and op.params["name"] == LOSS]
     grad_markers = {op.index for op in ops if _is_marker(op, "gradient")}
+    if inference:
+        if grad_markers:
+            raise SlicingError(
+                "the step takes gradients (alpa_lab.value_and_grad / alpa_lab.grad), but the inference schedule runs "
+                "a forward only: plan a training step with a training schedule ('1f1b', 'gpipe', ...), and an "
+                "evaluation without gradients with 'inference'"
+            )
+        return _forward_slicing(graph, batch)
     if not grad_markers or len(loss_markers) < 2:
         raise SlicingError(
             "the step has no gradient markers, so the pipeline cannot tell the forward/backward "
             "from the weight update: compute gradients with alpa_lab.value_and_grad (or alpa_lab.grad) "
-            "instead of jax.value_and_grad / jax.grad"
+            "instead of jax.value_and_grad / jax.grad; a step without gradients (an evaluation, inference) "
+            "pipelines with schedule='inference' (Alpa's pipeline_schedule='inference')"
         )
     if len(loss_markers) > 2:
         raise SlicingError(
@@ -286,6 +303,59 @@ def slice_program(graph: OpGraph) -> ProgramSlicing:
         owner=owner,
         accumulated=accumulated,
         data=data,
+    )
+
+
+def _forward_slicing(graph: OpGraph, batch: frozenset[int] | None) -> ProgramSlicing:
+    """``slice_program`` of a step without gradients: every op a forward op. An op takes the latest layer of its
+    inputs and a boundary marker opens its layer (a training step's forward rule); an op reading only weights
+    takes its first reader's layer, and an argument is kept by its first reader's."""
+    ops = graph.ops
+    if batch is None:
+        kinds = classify_arguments(graph)
+        batch = frozenset(v for v in graph.invars if kinds[v] == "data")
+    data = tuple(v for v in graph.invars if v in batch)
+    cuts: dict[str, int] = {}  # boundary key -> ordinal 1..n (as a training step's forward boundaries)
+    unnamed: list[int] = []  # the last op of each run of adjacent unnamed markers (one mark_stage_boundary call)
+    layer: list[int | None] = [None] * len(ops)
+    var_layer: dict[int, int] = {v: 0 for v in data}  # the batch enters at the first layer
+    for op in ops:
+        if _is_marker(op, "boundary") and op.params["name"] != LOSS and op.inputs:
+            name = op.params["name"]
+            if not name:
+                if unnamed and unnamed[-1] == op.index - 1:
+                    unnamed[-1] = op.index
+                else:
+                    unnamed.append(op.index)
+            key = name or f"#{len(unnamed)}"
+            layer[op.index] = cuts.setdefault(key, len(cuts) + 1)
+        else:
+            known = [var_layer[v] for v in op.inputs if v in var_layer]
+            layer[op.index] = max(known) if known else None
+        if layer[op.index] is not None:
+            var_layer.update((v, layer[op.index]) for v in op.outputs)
+    consumers = graph.consumers()
+    for op in reversed(ops):  # ops reading only weights: with their first reader
+        if layer[op.index] is None:
+            readers = [layer[c] for v in op.outputs for c in consumers[v] if layer[c] is not None]
+            layer[op.index] = min(readers) if readers else 0
+    owner = {v: min((layer[c] for c in consumers[v]), default=0) for v in graph.invars}
+    per_step = set(data)  # tensors that differ between micro-batches
+    for op in ops:
+        if any(v in per_step for v in op.inputs):
+            per_step.update(op.outputs)
+    rows = {graph.vars[v].shape[0] for v in data if graph.vars[v].shape}
+    returned = set(graph.outvars)
+    accumulated = tuple(v for op in ops for v in op.outputs if v in returned)
+    stacked = tuple(v for v in accumulated if v in per_step and graph.vars[v].shape and graph.vars[v].shape[0] in rows)
+    return ProgramSlicing(
+        num_layers=len(cuts) + 1,
+        phase=(FORWARD,) * len(ops),
+        layer=tuple(int(x) for x in layer),
+        owner=owner,
+        accumulated=accumulated,
+        data=data,
+        stacked=stacked,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zb_h1", "inference")
 """The pipeline schedules (``passes.schedule.SCHEDULES`` builds each): what a plan's ``schedule`` may be."""
 
 

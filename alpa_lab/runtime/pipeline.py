@@ -292,9 +292,11 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     micro = {v: split_microbatches(x, M) for v, x, s in zip(graph.invars, flat_args, cp.split) if s}
     placed: dict[tuple, Any] = {}  # (var, micro-batch or -1, stage) -> array on that stage's mesh
     store: dict[tuple[int, int], Any] = {}  # (var, micro-batch) -> value on its producer's mesh
-    accumulated = set(sl.accumulated)
+    stacked = set(sl.stacked)  # an inference step's per-example results: put back together, not averaged
+    accumulated = set(sl.accumulated) - stacked
     dtypes = {v: graph.vars[v].dtype for v in accumulated}
     sums: dict[int, Any] = {}
+    pieces: dict[int, dict[int, Any]] = defaultdict(dict)  # stacked var -> micro-batch -> its rows
     step_values: dict[int, Any] = {}  # once-per-step tensors: averages and update results
 
     def put(x: Any, sharding: NamedSharding) -> Any:
@@ -349,6 +351,9 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
 
     def execute(s: int, phase: str, mb: int) -> None:
         task = cp.tasks[(s, phase)]
+        if not task.invars and not task.outvars:  # an inference step's backward: nothing to run
+            done.add((s, phase, mb))
+            return
         ins = [fetch(v, mb, s, sh) for v, sh in zip(task.invars, task.in_shardings)]
         if cp.profile:  # the record is the RUN alone, as the plan prices it: the puts above (RECVs) have arrived
             jax.block_until_ready(ins)
@@ -362,6 +367,8 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
         end = time.perf_counter()
         records.append((s, phase, mb, t - t0, end - t0))
         for v, x in zip(task.outvars, outs):
+            if v in stacked:
+                pieces[v][mb] = x
             if readers.get(v, 0):  # kept until its last reader (FREE); the sums hold what the step needs
                 store[(v, mb)] = x
                 left[(v, mb)] = readers[v]
@@ -376,6 +383,8 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
 
     walk_schedule(pending, ready, execute)
     step_values.update(averaged(sums, M, dtypes))
+    for v, parts in pieces.items():  # on the mesh that made them, in micro-batch order
+        step_values[v] = jax.numpy.concatenate([parts[m] for m in range(M)])
     for task in cp.update:
         ins = [fetch(v, -1, task.stage, sh) for v, sh in zip(task.invars, task.in_shardings)]
         t = time.perf_counter()

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from alpa_lab.graph.trace import leaf_aval
+from alpa_lab.passes.schedule import INFERENCE
 from alpa_lab.runtime.mesh_worker import EVENTS_KEPT, INLINE_BYTES, Event, MeshWorker, host_data, typed
 from alpa_lab.runtime.program import ProgramError, WorkerProgram, mesh_placements, predicted_traffic, worker_programs
 from alpa_lab.runtime.ray_cluster import RayCluster, _ray
@@ -386,6 +387,10 @@ def launch(
     plan = step.current_plan
     if plan is None:
         raise LaunchError("the step has no plan yet: call step.plan(state, batch) first")
+    if isinstance(plan, PipelinePlan) and plan.schedule == INFERENCE:
+        raise LaunchError(
+            "an inference pipeline (a step without gradients, schedule='inference') runs in this process, its stages on "
+            "this process's devices: step.on_ray(None); the mesh workers run training steps, which return the new state")
     args = (state, *example) if example else step.last_args(state)
     need = (plan.cluster["hosts"], plan.cluster["devices_per_host"]) if isinstance(plan, PipelinePlan) else None
     have = (cluster.hosts, cluster.devices_per_host)

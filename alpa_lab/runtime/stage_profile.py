@@ -251,7 +251,7 @@ def time_stages(compiled: Any, repeats: int = REPEATS, cache_path: Path | None =
     before = dict(cache)
     devices = hardware_key(list({d.id: d for m in compiled.meshes for d in m.devices.flat}.values()))
     runs = [(key, task) for key, task in compiled.tasks.items() if task.invars or task.outvars]
-    accumulated = frozenset(compiled.slicing.accumulated)
+    accumulated = frozenset(compiled.slicing.accumulated) - frozenset(compiled.slicing.stacked)  # stacked: not summed
     found = _time_tasks([task for _, task in runs] + list(compiled.update), compiled.graph, accumulated, repeats, cache, devices)
     out: dict[tuple[int, str], float] = dict(zip((key for key, _ in runs), found))
     for task, seconds in zip(compiled.update, found[len(runs):]):  # an update sums nothing: the sums are its inputs
