@@ -527,8 +527,10 @@ class ParallelizedStep:
         session with another cluster drops the plans the step made itself (an edited plan stays current)."""
         if self._cluster_given is not None:
             return self._cluster_given
-        if isinstance(self.stage_option, _FollowedStages):  # an inference pipeline over another step's stages: its cluster
-            return self.stage_option.source.cluster
+        if isinstance(self.parallel_method, FollowParallel) and not self._ray_chosen:
+            # an evaluation following another step: that step's cluster, run in this process (the mesh workers run
+            # steps that return the new state; the state a Ray step returns is fetched here)
+            return self.parallel_method.src_func.cluster
         generation, session = _session_cluster()
         if self._ray_chosen:  # on_ray(...) said where it runs
             generation, session = self._generation, None
@@ -547,7 +549,9 @@ class ParallelizedStep:
                         except Exception:  # noqa: BLE001 - its Ray is gone already: nothing to close
                             pass
                         self.ray_run = None
-                    self._ray_cluster = session
+                    # an inference pipeline plans for the session's cluster and runs in this process, as an evaluation
+                    # following a step does (the mesh workers run training steps, which return the new state)
+                    self._ray_cluster = None if self.microbatches is not None and self.schedule == INFERENCE else session
                 self._cluster, self._generation = spec, generation
         return self._cluster
 
@@ -1527,6 +1531,12 @@ def trace_microbatched(
                 _refuse_per_example_results(fn, args, graph, guess, num_microbatches)
                 _warn_if_ambiguous(fn, args, graph, guess)
                 return graph, guess
+    if inference and not any(np.ndim(x) >= 1 for x in jax.tree_util.tree_leaves(args)):  # nothing to cut (Alpa's test_output)
+        if num_microbatches != 1:
+            raise ValueError(f"this inference step has no batch argument to cut into {num_microbatches} micro-batches: "
+                             "use num_micro_batches=1 (microbatches=1)")
+        with auto_layers(layers, remat=remat, asked=layers_asked):
+            return trace(fn, *args), (False,) * len(flat)
     micro_args, split = microbatch_args(fn, args, num_microbatches)
     try:
         with auto_layers(layers, remat=remat, asked=layers_asked):

@@ -16,7 +16,11 @@ pipeline (``schedule="inference"``: the same 2 stages on 1x4 sub-meshes, 4 micro
 same run, the single-mesh plan of the evaluation on all 8 devices and ``jax.jit`` on one device (results
 checked equal).
 
-    python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2] [--pipeline] [--inference]
+With ``--data-loader`` it also trains each model data-parallel on all 8 devices for ``steps`` steps on distinct
+batches, fed as host arrays (the baseline) and through ``al.DataLoader`` (2 batches put on the devices ahead),
+in the same run (the same final parameters checked).
+
+    python benchmarks/runtime.py [--models mlp,gpt,moe] [--steps 10] [--mesh 2x2] [--pipeline] [--inference] [--data-loader]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def main() -> None:
     parser.add_argument("--mesh", default="2x2")
     parser.add_argument("--pipeline", action="store_true", help="also run the pipelined rows (needs 8 devices)")
     parser.add_argument("--inference", action="store_true", help="also run the inference pipeline rows (needs 8 devices)")
+    parser.add_argument("--data-loader", action="store_true", help="also time steps fed by al.DataLoader against host batches")
     args = parser.parse_args()
     n0, n1 = (int(x) for x in args.mesh.split("x"))
     cluster = al.ClusterSpec.local(1, n0 * n1)
@@ -73,6 +78,8 @@ def main() -> None:
         pipeline_rows(args.models.split(","), args.steps)
     if args.inference:
         inference_rows(args.models.split(","), args.steps)
+    if args.data_loader:
+        data_loader_rows(args.models.split(","), args.steps)
 
 
 def pipeline_rows(models: list[str], steps: int) -> None:
@@ -141,6 +148,41 @@ def inference_rows(models: list[str], steps: int) -> None:
         print(f"{name:<12} {plan_s:>7.2f} {first:>9.2f} | {step_s * 1e3:>8.2f} {flat_s * 1e3:>8.2f} {jit_s * 1e3:>8.2f} | "
               f"{step_s / flat_s:>9.2f} {step_s / jit_s:>7.2f}{check}", flush=True)
         del flat_out
+
+
+def data_loader_rows(models: list[str], steps: int) -> None:
+    import numpy as np
+
+    print(f"\nsteps fed by al.DataLoader (prefetch 2) vs host batches, DataParallel on 8 devices, {steps} distinct batches; "
+          "medians of 3 rounds of the whole loop")
+    print(f"{'model':<12} {'loader ms/step':>14} {'host ms/step':>12} {'ratio':>6}")
+    for name in models:
+        config_cls, make = EXAMPLES[name]
+        ex = make(config_cls())
+        rng = np.random.default_rng(0)
+        batches = []
+        for _ in range(steps):  # distinct batches of the example's shapes (integer leaves: its own values)
+            batches.append(jax.tree_util.tree_map(
+                lambda x: rng.standard_normal(x.shape).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else np.asarray(x),
+                ex.batch))
+        step = al.parallelize(ex.train_step, method=al.DataParallel())
+        specs = step.get_executable(ex.state, batches[0]).get_input_placement_specs()[1]
+
+        def loop(feed):
+            state = ex.state
+            t0 = time.perf_counter()
+            for batch in feed():
+                state, loss = step(state, batch)
+            jax.block_until_ready(state)
+            return (time.perf_counter() - t0) / steps, state
+
+        loop(lambda: batches)  # compiled, warm
+        rounds = [(loop(lambda: al.DataLoader(batches, specs, prefetch_size=2)), loop(lambda: batches)) for _ in range(3)]
+        ours = statistics.median(r[0][0] for r in rounds)
+        base = statistics.median(r[1][0] for r in rounds)
+        same = all(bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(
+            jax.tree_util.tree_leaves(rounds[0][0][1]), jax.tree_util.tree_leaves(rounds[0][1][1])))
+        print(f"{name:<12} {ours * 1e3:>14.2f} {base * 1e3:>12.2f} {ours / base:>6.2f}  (same parameters: {same})", flush=True)
 
 
 if __name__ == "__main__":

@@ -185,12 +185,13 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
         trained = p_shard(made, batch)
         assert p_shard.ray_cluster is cluster
         assert_close(trained.params, expected.params, "params")
+        # Alpa's flow calls the evaluation as it is: it follows the train step's plan and runs in this process
+        # (the mesh workers run training steps; the state they return is fetched here)
         p_eval = al.parallelize(eval_loss, method=al.FollowParallel(p_shard))
-        with pytest.raises(al.LaunchError, match=r"must return new_state.*on_ray\(None\)"):
-            p_eval(trained.params, batch)  # mesh workers run training steps; an evaluation runs here
-        p_eval.on_ray(None)
         assert float(p_eval(trained.params, batch)) == pytest.approx(float(eval_loss(expected.params, batch)), rel=1e-4)
-        assert p_eval.current_plan.mesh_shape == p_shard.current_plan.mesh_shape
+        assert p_eval.current_plan.mesh_shape == p_shard.current_plan.mesh_shape and p_eval.ray_cluster is None
+        with pytest.raises(al.LaunchError, match=r"must return new_state.*on_ray\(None\)"):
+            al.parallelize(eval_loss, method=al.ShardParallel())(trained.params, batch)  # not following: on the workers
         assert jax.tree_util.tree_leaves(p_eval.get_last_executable().get_input_placement_specs()[0]) == \
             jax.tree_util.tree_leaves(p_shard.get_last_executable().get_input_placement_specs()[0].params)
         # the pipelined step's evaluation: an inference pipeline over its stages, run in this process
@@ -211,6 +212,87 @@ def test_init_ray_runs_steps_on_its_mesh_workers(no_session):
     # a step sent to a cluster by hand keeps it, and says when it is gone
     with pytest.raises(al.LaunchError, match="was shut down.*alpa_lab.init"):
         tied.on_ray(cluster)(*tied_state())
+
+
+def test_follow_parallel_and_inference_as_alpas_tests_run_them(no_session):
+    """Alpa's tests/runtime/test_follow_parallel.py, all three cases on one ``init(cluster="ray")``: a train step
+    returning the new state alone (on the mesh workers), an evaluation following it called as it is, on a batch
+    twice the training batch; ShardParallel, with gradient accumulation, and PipeshardParallel with
+    ``AutoLayerOption(layer_num=2)`` (an inference pipeline over the train step's stages). Then, on the same
+    session, tests/pipeline_parallel/test_inference_only.py's MLP (an inference step taking the whole train
+    state) and its test_output (no arguments, constant results): inference pipelines plan for the session's
+    cluster and run in this process. Oracle: ``jax.jit`` / the unparallelized function."""
+    pytest.importorskip("ray")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for features in (8, 8, 8, 8):
+                x = nn.Dense(features)(x)
+            return x
+
+    def create_state():
+        model = Model()
+        return TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), jnp.ones((1, 8))),
+                                 tx=optax.adam(1e-2))
+
+    def step(state, batch):
+        grads = al.grad(lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    def evaluate(params, batch):
+        return jnp.mean((Model().apply(params, batch["x"]) - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    train_batch = {"x": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32), "y": jnp.ones((32, 8))}
+    eval_batch = {"x": jnp.asarray(rng.standard_normal((64, 8)), jnp.float32), "y": jnp.ones((64, 8))}
+    expected = jax.jit(step)(create_state(), train_batch)
+    al.init(cluster="ray")
+    try:
+        for method, micro in ((al.ShardParallel(num_micro_batches=None), None), (al.ShardParallel(num_micro_batches=2), 2),
+                              (al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=2)), 2)):
+            train_step = al.parallelize(step, method=method)
+            eval_step = al.parallelize(evaluate, method=al.FollowParallel(train_step, num_micro_batches=micro))
+            state = train_step(create_state(), train_batch)
+            out = eval_step(state.params, eval_batch)
+            assert train_step.ray_cluster is not None and eval_step.ray_cluster is None, method
+            assert float(out) == pytest.approx(float(evaluate(expected.params, eval_batch)), rel=1e-4), method
+            actual = jax.tree_util.tree_leaves(eval_step.get_last_executable().get_input_placement_specs()[0])
+            followed = jax.tree_util.tree_leaves(train_step.get_last_executable().get_input_placement_specs()[0].params)
+            if micro is None or isinstance(method, al.ShardParallel):
+                assert actual == followed, method
+            else:  # the same meshes and layouts; the avals are the evaluation's
+                assert [(a.mesh_ids, a.sharding_specs) for a in actual] == [(b.mesh_ids, b.sharding_specs) for b in followed]
+
+        state, batch = mlp_state(hidden=16, batch=64)
+
+        def inference_step(state, batch):
+            out = state.apply_fn(state.params, batch["x"])
+            return out, jnp.mean((out - batch["y"]) ** 2)
+
+        method = al.PipeshardParallel(num_micro_batches=4, pipeline_schedule="inference", layer_option="manual")
+        p_infer = al.parallelize(inference_step, method=method, donate_argnums=())
+        executable = p_infer.get_executable(state, batch)
+        assert_close(p_infer(state, batch), inference_step(state, batch), "inference")
+        assert p_infer.ray_cluster is None and p_infer.cluster == al.get_global_cluster().spec
+        assert len(executable.get_hlo_text()) == 2  # each stage's forward program (its backward runs nothing)
+
+        @al.parallelize(method=al.PipeshardParallel(num_micro_batches=1, pipeline_schedule="inference", layer_option="manual"))
+        def func():
+            a = jnp.ones(32)
+            al.mark_pipeline_boundary()
+            b = jnp.ones(32) * 2
+            return a, b, 3
+
+        a, b, c = func()
+        np.testing.assert_array_equal(np.asarray(a), np.ones(32))
+        np.testing.assert_array_equal(np.asarray(b), np.ones(32) * 2)
+        assert int(c) == 3
+        with pytest.raises(ValueError, match="no batch argument to cut into 2 micro-batches"):
+            al.parallelize(func.fn, method=al.PipeshardParallel(num_micro_batches=2, pipeline_schedule="inference",
+                                                                layer_option="manual"))()
+    finally:
+        al.shutdown()
 
 
 def test_a_virtual_mesh_plans_for_part_of_the_cluster_and_runs_there(no_session):
@@ -679,3 +761,4 @@ def test_force_data_parallel_keeps_attention_layers_data_parallel_inside():
     assert len(counts) == 6
     assert counts[0][0] == 0 and counts[1][0] == 0, counts  # forward of stages 0 and 1
     assert_close(jax.jit(step)(state, batch)[0].params, p(state, batch)[0].params, "params")
+
