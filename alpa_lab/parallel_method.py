@@ -193,11 +193,12 @@ class AutoStageOption:
     """Alpa's older name of ``cached_profile_result``"""
 
     def __post_init__(self) -> None:
-        if self.manually_specified_submeshes is not None:
+        manual = self.submesh_physical_shape_space == "manual"
+        if manual != (self.manually_specified_submeshes is not None):
             raise MethodOptionError(
-                "AutoStageOption(manually_specified_submeshes=...) is not supported: choose the space with "
-                "submesh_physical_shape_space ('power_of_two', 'small_power_of_two', 'all'), or fix the stages with "
-                "ManualStageOption(...)")
+                "AutoStageOption: submesh_physical_shape_space='manual' and manually_specified_submeshes=((1, 2), ...) "
+                "go together (the stage DP then tries only those sub-mesh shapes); otherwise choose the space with "
+                "submesh_physical_shape_space ('power_of_two', 'small_power_of_two', 'all')")
         if self.stage_imbalance_tolerance != math.inf:
             raise MethodOptionError(
                 "AutoStageOption(stage_imbalance_tolerance=...) is not supported: the DP here searches every stage "
@@ -729,7 +730,15 @@ class PipeshardParallel(ParallelMethod):
         elif stage == "auto":
             stage = AutoStageOption()
         if isinstance(stage, AutoStageOption):  # its use_hlo_cost_model: parallelize(cost_model=...) says how stages are priced
-            out.update(submesh_space=stage.submesh_physical_shape_space, logical_meshes=stage.submesh_logical_shape_space)
+            space = stage.submesh_physical_shape_space
+            if space == "manual":  # the DP's sub-mesh shapes are the ones given
+                from alpa_lab.passes.submesh import manual_space  # here: importing this module loads no pass
+
+                try:
+                    space = manual_space(stage.manually_specified_submeshes)
+                except ValueError as err:
+                    raise MethodOptionError(f"AutoStageOption: {err}") from None
+            out.update(submesh_space=space, logical_meshes=stage.submesh_logical_shape_space)
         elif isinstance(stage, (ManualStageOption, UniformStageOption)):
             out["stage_option"] = stage
         else:

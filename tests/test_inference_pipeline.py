@@ -221,3 +221,44 @@ def test_follow_parallel_of_a_pipelined_step_refuses_another_model():
 
     with pytest.raises(al.MethodOptionError, match="this step has 1 layers but the pipelined step it follows has 4"):
         al.parallelize(other, method=al.FollowParallel(p_train))(state.params, batch)
+
+
+def test_alpas_manual_submesh_space_and_model_parallel_logical_meshes():
+    """Alpa's test_inference_auto: ``AutoStageOption(submesh_physical_shape_space="manual",
+    manually_specified_submeshes=((1, 2),), submesh_logical_shape_space="model_parallel_only")`` on 4 devices: the
+    stage DP may use only (1, 2) sub-meshes, each viewed as (1, 2). The same option on a training step over this
+    process's 8 devices with (1, 4): every stage on a (1, 4) sub-mesh, a (1, 4) logical mesh."""
+    model, batch = MLP("alpa"), data()
+    params = model.init(jax.random.PRNGKey(0), batch["x"])
+
+    def infer_step(params, batch):
+        out = model.apply(params, batch["x"])
+        return out, jnp.mean((out - batch["y"]) ** 2)
+
+    option = al.AutoStageOption(submesh_physical_shape_space="manual", manually_specified_submeshes=((1, 2),),
+                                submesh_logical_shape_space="model_parallel_only")
+    method = al.PipeshardParallel(devices=al.LocalPhysicalDeviceMesh(jax.devices()[:4]), num_micro_batches=1,
+                                  pipeline_schedule="inference", layer_option="manual", stage_option=option)
+    p_infer = al.parallelize(infer_step, method=method)
+    close(p_infer(params, batch), infer_step(params, batch))
+    plan = p_infer.current_plan
+    assert [(st.submesh_shape, st.logical_shape) for st in plan.stages] == [((1, 2), (1, 2))] * 2
+    assert plan.submesh_space == "manual:1x2" and al.PipelinePlan.from_json(plan.to_json()).submesh_space == "manual:1x2"
+
+    def train_step(params, batch):
+        grads = al.grad(lambda p: jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+    wide = al.AutoStageOption(submesh_physical_shape_space="manual", manually_specified_submeshes=[[1, 4]],
+                              submesh_logical_shape_space="model_parallel_only")
+    step = al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=wide))
+    close(step(params, batch), jax.jit(train_step)(params, batch))
+    assert {(st.submesh_shape, st.logical_shape) for st in step.current_plan.stages} == {((1, 4), (1, 4))}
+    with pytest.raises(al.MethodOptionError, match="'manual' and manually_specified_submeshes=.* go together"):
+        al.AutoStageOption(submesh_physical_shape_space="manual")
+    with pytest.raises(al.MethodOptionError, match="go together"):
+        al.AutoStageOption(manually_specified_submeshes=((1, 2),))
+    odd = al.AutoStageOption(submesh_physical_shape_space="manual", manually_specified_submeshes=((1, 3),))
+    with pytest.raises(ValueError, match=r"sub-mesh shapes \[\(1, 3\)\] are not ones Alpa places on 1x8: choose from"):
+        al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual",
+                                                               stage_option=odd)).plan(params, batch)

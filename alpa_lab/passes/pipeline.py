@@ -65,20 +65,22 @@ from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
 
 Shape = tuple[int, int]
-LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel", "same_as_physical", "data_parallel_only")
+LOGICAL_MESH_SPACES = ("all", "single_node_model_parallel", "same_as_physical", "data_parallel_only", "model_parallel_only")
 """Alpa's spaces of logical meshes per sub-mesh (``in_logical_space``)."""
 
 
 def in_logical_space(space: str, submesh: Shape, logical: Shape, devices_per_host: int) -> bool:
     """Whether the stage DP tries ``logical`` on ``submesh`` in ``space``: "all" every 2-D view;
     "single_node_model_parallel" (n / k, k) with the model-parallel axis k inside a host; "same_as_physical"
-    the sub-mesh's own shape; "data_parallel_only" (n, 1)."""
+    the sub-mesh's own shape; "data_parallel_only" (n, 1); "model_parallel_only" (1, n)."""
     if space == "single_node_model_parallel":
         return devices_per_host % logical[1] == 0
     if space == "same_as_physical":
         return tuple(logical) == tuple(submesh)
     if space == "data_parallel_only":
         return logical[1] == 1
+    if space == "model_parallel_only":
+        return logical[0] == 1
     return True
 
 

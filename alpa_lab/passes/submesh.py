@@ -19,11 +19,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SUBMESH_SPACES", "Placement", "PlacementError", "check_submesh_space", "even_submesh", "place_submeshes", "submesh_shapes"]
+__all__ = [
+    "SUBMESH_SPACES", "Placement", "PlacementError", "check_submesh_space", "even_submesh", "manual_space", "place_submeshes",
+    "submesh_shapes",
+]
 
 SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two")
 """Whole-host shapes (n, M) searched: every n = 2..N (the paper's space), powers of two
-(Alpa's default), or powers of two up to 4 hosts."""
+(Alpa's default), or powers of two up to 4 hosts. Besides these, ``"manual:1x2,2x4"`` searches only the
+shapes it lists (Alpa's ``submesh_physical_shape_space="manual"`` with ``manually_specified_submeshes``)."""
+
+MANUAL = "manual:"
+
+
+def manual_space(shapes: Sequence[Sequence[int]]) -> str:
+    """The space of exactly ``shapes`` (Alpa's ``manually_specified_submeshes``), as the text a plan saves."""
+    try:
+        pairs = [_normalize_shape(tuple(s)) for s in shapes]
+    except (TypeError, PlacementError) as err:
+        raise ValueError(f"manually specified sub-meshes must be (hosts, devices) pairs, got {shapes!r}") from err
+    if not pairs:
+        raise ValueError("manually specified sub-meshes: give at least one (hosts, devices) shape")
+    return MANUAL + ",".join(f"{a}x{b}" for a, b in pairs)
+
+
+def _manual_shapes(space: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(v) for v in part.split("x")) for part in space[len(MANUAL):].split(",")]  # type: ignore[misc]
+    except ValueError:
+        raise ValueError(f"sub-mesh space {space!r}: write the shapes as 'manual:1x2,2x4'") from None
 
 
 class PlacementError(ValueError):
@@ -63,6 +87,13 @@ def submesh_shapes(num_hosts: int, devices_per_host: int, space: str = "all") ->
     """
     _check_cluster(num_hosts, devices_per_host)
     check_submesh_space(space)
+    if space.startswith(MANUAL):
+        allowed = submesh_shapes(num_hosts, devices_per_host, "all")
+        listed = _manual_shapes(space)
+        bad = [s for s in listed if s not in allowed]
+        if bad:
+            raise ValueError(f"sub-mesh shapes {bad} are not ones Alpa places on {num_hosts}x{devices_per_host}: choose from {allowed}")
+        return sorted(set(listed), key=allowed.index)
     shapes: list[tuple[int, int]] = []
     k = 1
     while k <= devices_per_host:
@@ -81,8 +112,14 @@ def submesh_shapes(num_hosts: int, devices_per_host: int, space: str = "all") ->
 
 def check_submesh_space(space: object) -> None:
     """A ValueError naming the choices unless ``space`` is one of ``SUBMESH_SPACES`` (the API checks early with it)."""
+    if isinstance(space, str) and space.startswith(MANUAL):
+        shapes = _manual_shapes(space)
+        if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+            raise ValueError(f"sub-mesh space {space!r}: write the shapes as 'manual:1x2,2x4'")
+        return
     if space not in SUBMESH_SPACES:
-        raise ValueError(f"unknown sub-mesh space {space!r}; choose one of {', '.join(SUBMESH_SPACES)}")
+        raise ValueError(f"unknown sub-mesh space {space!r}; choose one of {', '.join(SUBMESH_SPACES)}, or "
+                         "'manual:1x2,...' for given shapes")
 
 
 def _normalize_shape(shape: object) -> tuple[int, int]:
