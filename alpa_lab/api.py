@@ -1229,6 +1229,18 @@ class Executable:
         """Wait until every call dispatched so far has finished (Alpa's name)."""
         _TIMER.sync()
 
+    def __call__(self, *args: Any) -> Any:
+        """Run this compiled program on ``args`` (Alpa's fast call: no re-planning, whatever the step's current plan
+        now is); ``args`` must have the shapes it was compiled for."""
+        if self.step is None:
+            raise ValueError("this executable does not know its step: get it with step.get_executable(*args)")
+        graph = self.step.trace(*args)
+        self.plan.check_program(graph)  # other shapes are another program: say so, run nothing
+        t0 = time.perf_counter()
+        out = call_compiled(self.compiled, graph, args)
+        _TIMER.record(self.step._call_costs(self.plan), t0, out)
+        return out
+
     def preshard_dynamic_args(self, *args: Any) -> Any:
         """``args`` placed on the devices as the single-mesh program takes them (Alpa's name): a call with them
         copies nothing first."""

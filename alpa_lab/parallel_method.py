@@ -13,9 +13,9 @@ behind both spellings. ``devices=`` takes Alpa's device meshes: a logical mesh
 (``LocalPhysicalDeviceMesh().get_logical_mesh(shape, mesh_alpha, mesh_beta)``: that grid, priced by
 Alpa's alpha-beta numbers; a pipeline's stages choose their own views of it), a local physical mesh, or
 a Ray cluster's virtual mesh (``get_global_cluster().get_virtual_physical_mesh(host_ids, num_devices_per_host)``:
-planned for that part of the cluster and run on its mesh workers). What Alpa does that this planner does not (an inference schedule,
-fine-grained remat, a profiling database, devices other than the first ones JAX lists, options
-that forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
+planned for that part of the cluster and run on its mesh workers), or a list of JAX devices (a local physical mesh of
+them). What Alpa does that this planner does not (fine-grained remat, a profiling database, devices other than the
+first ones JAX lists, options that forbid strategies) is refused by name; options that only tune Alpa's own solver (its combiner
 thresholds, ``eps``) are accepted and change nothing, as each class says (``force_batch_dim_to_mesh_dim``
 is honoured on one mesh and in a pipeline's planned stages). Alpa's defaults are kept because code relies on
 them: ``PipeshardParallel`` cuts 2 layers and, without ``stage_option``, places stages uniformly (one stage per layer on equal
@@ -487,6 +487,8 @@ def _mesh_options(devices: Any, name: str) -> dict[str, Any]:
     costs; a physical mesh is its devices with this machine's cost model, every grid tried."""
     if devices is None:
         return {}
+    if isinstance(devices, (list, tuple)) and devices and all(hasattr(d, "platform") and hasattr(d, "id") for d in devices):
+        devices = LocalPhysicalDeviceMesh(tuple(devices))  # Alpa's tests pass jax.local_devices()[:4] as it is
     if isinstance(devices, LogicalDeviceMesh):
         _first_devices(devices.devices, f"{name}(devices=<{devices.shape[0]}x{devices.shape[1]} logical mesh>)")
         return {"cluster": devices.cluster_spec(), "mesh_shape": devices.shape}
@@ -503,7 +505,8 @@ def _mesh_options(devices: Any, name: str) -> dict[str, Any]:
                                     "running cluster's (get_global_cluster().get_virtual_physical_mesh())")
         return {"cluster": devices.spec, "ray_cluster": devices.cluster}
     raise MethodOptionError(
-        f"{name}(devices=...) takes a LogicalDeviceMesh, a LocalPhysicalDeviceMesh or a Ray cluster's VirtualPhysicalMesh "
+        f"{name}(devices=...) takes a list of JAX devices, a LogicalDeviceMesh, a LocalPhysicalDeviceMesh or a Ray "
+        "cluster's VirtualPhysicalMesh "
         f"(get_global_cluster().get_virtual_physical_mesh()), got {type(devices).__name__}; or leave it out and pass "
         "parallelize(cluster=al.ClusterSpec.local(hosts, devices_per_host))")
 
@@ -694,6 +697,15 @@ class PipeshardParallel(ParallelMethod):
     stage_option: Any = None
     stage_input_shardings: Any = None
     manual_sharding_option: Any = None
+
+    def __post_init__(self) -> None:
+        if self.default_auto_sharding_option is None:  # Alpa's default, one object to mutate through as_option
+            object.__setattr__(self, "default_auto_sharding_option", AutoShardingOption(prefer_reduce_scatter=True))
+
+    @property
+    def as_option(self) -> AutoShardingOption:
+        """Every stage's ``AutoShardingOption`` (Alpa's name; its tests set fields on it before planning)."""
+        return self.default_auto_sharding_option
 
     def options(self) -> dict[str, Any]:
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)

@@ -281,3 +281,35 @@ def test_force_batch_dim_to_mesh_dim_refuses_what_it_cannot_do():
         devices=logical_mesh((4, 1)), auto_sharding_option=al.AutoShardingOption(force_batch_dim_to_mesh_dim=0)))
     with pytest.raises(al.MethodError, match="cannot split the batch argument .* over mesh axis 0 .* must divide by it"):
         step.plan(jnp.ones((8, 8)), jnp.ones((6, 8)))
+
+
+def test_alpas_device_list_fast_call_and_pipeline_option():
+    """Alpa's test_basic set-up, ``ShardParallel(devices=jax.local_devices()[:4])`` (a list of devices: those
+    devices' physical mesh), its one-device mesh and gemv (the weight's [128, 64] tiles in XLA's HLO), and its fast
+    call: ``executable(a, b)`` runs the compiled program (oracle: plain JAX). ``PipeshardParallel().as_option`` is
+    the stages' ``AutoShardingOption`` (Alpa's default prefers reduce-scatter), set before planning."""
+    devices = jax.local_devices()[:4]
+    method = al.ShardParallel(devices=devices)
+    assert method.options()["cluster"] == al.ClusterSpec.local(1, 4)
+    one = al.parallelize(lambda x: x + 1, method=al.ShardParallel(devices=devices[0:1]))
+    np.testing.assert_array_equal(np.asarray(one(jnp.ones((128, 128)))), np.full((128, 128), 2.0))
+    gemv = al.parallelize(lambda a, b: a @ b, method=method)
+    a, b = jnp.ones((128,)), jnp.ones((128, 256))
+    executable = gemv.get_executable(a, b)
+    assert "f32[128,64]" in executable.get_hlo_text()
+    np.testing.assert_array_equal(np.asarray(executable(a, b)), np.asarray(a @ b))
+    assert len(executable.get_execution_time_costs()) == 1  # the fast call is timed as a call
+    with pytest.raises(al.PlanFormatError):
+        executable(jnp.ones((64,)), jnp.ones((64, 256)))  # another program: refused, nothing run
+    piped = al.PipeshardParallel(num_micro_batches=2)
+    assert piped.as_option.prefer_reduce_scatter and piped.options()["method"] == "alpa"
+    piped.as_option.force_data_parallel = True  # with Alpa's default reduce-scatter: ZeRO-2 in every stage
+    assert piped.options()["method"] == "zero2"
+    piped.as_option.prefer_reduce_scatter = False
+    assert piped.options()["method"] == "data_parallel"
+    with pytest.raises(al.MethodOptionError, match="takes a list of JAX devices, a LogicalDeviceMesh"):
+        al.ShardParallel(devices=[1, 2]).options()
+    from alpa_lab.passes.submesh import PlacementError, place_submeshes
+
+    with pytest.raises(PlacementError, match=r"sum to 4, but the 1x8 cluster has 8 .*devices=jax.local_devices\(\)\[:n\]"):
+        place_submeshes([(1, 2), (1, 2)], 1, 8)  # Alpa's scatter-gather stages on this process's 8 devices

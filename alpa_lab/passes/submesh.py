@@ -157,7 +157,9 @@ def place_submeshes(
     if total != n_hosts * m:
         raise PlacementError(
             f"sub-mesh sizes sum to {total}, but the {n_hosts}x{m} cluster has "
-            f"{n_hosts * m} devices; they must be equal to tile it exactly"
+            f"{n_hosts * m} devices; they must be equal to tile it exactly (to use fewer devices, plan for them: "
+            "parallelize(..., cluster=ClusterSpec.local(hosts, devices_per_host)), or a method's "
+            "devices=jax.local_devices()[:n] / a Ray cluster's virtual mesh)"
         )
 
     result: list[Placement | None] = [None] * len(norm)
