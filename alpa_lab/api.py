@@ -511,7 +511,8 @@ class ParallelizedStep:
     def _follow_pipeline(self, method: FollowParallel) -> None:
         """``FollowParallel`` of a pipelined step: this step is Alpa's inference pipeline over the source's stages,
         each on its sub-mesh and logical mesh (``_FollowedStages``), its weights laid out as the source holds them
-        (``_follow_pins``), ``method.num_micro_batches`` micro-batches (default: the source's); it runs in this process."""
+        (``_follow(args, pipeline=True)``), ``method.num_micro_batches`` micro-batches (default: the source's); it runs
+        in this process."""
         source = method.src_func
         self.microbatches = method.num_micro_batches or source.microbatches
         self.schedule = INFERENCE
