@@ -335,7 +335,7 @@ def test_a_virtual_mesh_plans_for_part_of_the_cluster_and_runs_there(no_session)
                 cluster.get_virtual_physical_mesh(host_ids=bad)
         with pytest.raises(TypeError, match="takes get_global_cluster"):
             al.set_global_virtual_physical_mesh((1, 4))
-        with pytest.raises(al.MethodOptionError, match=r"devices=\.\.\.\) takes a LogicalDeviceMesh.*got tuple"):
+        with pytest.raises(al.MethodOptionError, match=r"devices=\.\.\.\) takes a list of JAX devices, a LogicalDeviceMesh.*got tuple"):
             al.parallelize(train_step, method=al.PipeshardParallel(devices=(1, 4)))
     finally:
         al.shutdown()
