@@ -629,7 +629,7 @@ class ParallelizedStep:
         graph = self.trace(*args)
         named = named_leaves(args, batch_argnums)
         _refuse_named_state(self.fn, args, batch_argnums, named, graph)
-        return frozenset(v for v, s in zip(graph.invars, named_batch(args, batch_argnums, soft=self._alpa_batch)) if s)
+        return _cut_vars(graph, named_batch(args, batch_argnums, soft=self._alpa_batch))
 
     def _batch_argnums(self, args: tuple) -> tuple[int, ...] | None:
         """The batch arguments of a call with ``args``: those named, or with an Alpa method object and no
@@ -643,7 +643,7 @@ class ParallelizedStep:
     def _named_split(self, args: tuple, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
         """A pipelined step's cut arguments as the program's vars where ``batch_argnums`` named them (None: the rule's,
         which the data-parallel methods find per piece)."""
-        return None if self._batch_argnums(args) is None else frozenset(v for v, s in zip(graph.invars, split) if s)
+        return None if self._batch_argnums(args) is None else _cut_vars(graph, split)
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
@@ -674,7 +674,7 @@ class ParallelizedStep:
             stage_timer=self._stage_timer(split),
             submesh_space=self.submesh_space,
             batch_vars=self._named_split(args, graph, split),
-            split_vars=frozenset(v for v, cut in zip(graph.invars, split) if cut),
+            split_vars=_cut_vars(graph, split),
             logical_meshes=self.logical_meshes,
             fixed=None if self.stage_option is None else self.stage_option.assign,
             batch_mesh_axis=self.batch_mesh_axis,
@@ -853,10 +853,10 @@ class ParallelizedStep:
                         )
                     problem = self._problems.get(graph.fingerprint)
                     if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
+                        cut = self._split(*args)
                         problem = PipelineProblem.build(
-                            graph, ClusterSpec(**plan.cluster), inference=plan.schedule == INFERENCE,
-                            batch=frozenset(v for v, cut in zip(graph.invars, self._split(*args)) if cut))
-                        problem.batch_vars = self._named_split(args, graph, self._split(*args))
+                            graph, ClusterSpec(**plan.cluster), inference=plan.schedule == INFERENCE, batch=_cut_vars(graph, cut))
+                        problem.batch_vars = self._named_split(args, graph, cut)
                         if dict(plan.cluster) == self.cluster.to_dict():
                             with self._cache_lock:
                                 _keep(self._problems, graph.fingerprint, problem)
@@ -1013,9 +1013,12 @@ class ParallelizedStep:
             out = self._call_on_ray(args)  # the run's step waits for the workers: the results are here
             self._call_costs(self.current_plan).append(time.perf_counter() - t0)
             return out
-        compiled = self.compiled(*args)
+        return self._run(self.compiled(*args), graph if graph is not None else self.trace(*args), args)
+
+    def _run(self, compiled: CompiledPlan | CompiledPipeline, graph: OpGraph, args: tuple) -> Any:
+        """Call a compiled plan in this process, timed as a call of its plan (``get_execution_time_costs``)."""
         t0 = time.perf_counter()
-        out = call_compiled(compiled, graph if graph is not None else self.trace(*args), args)
+        out = call_compiled(compiled, graph, args)
         _TIMER.record(self._call_costs(compiled.plan), t0, out)
         return out
 
@@ -1237,10 +1240,7 @@ class Executable:
             raise ValueError("this executable does not know its step: get it with step.get_executable(*args)")
         graph = self.step.trace(*args)
         self.plan.check_program(graph)  # other shapes are another program: say so, run nothing
-        t0 = time.perf_counter()
-        out = call_compiled(self.compiled, graph, args)
-        _TIMER.record(self.step._call_costs(self.plan), t0, out)
-        return out
+        return self.step._run(self.compiled, graph, args)
 
     def preshard_dynamic_args(self, *args: Any) -> Any:
         """``args`` placed on the devices as the single-mesh program takes them (Alpa's name): a call with them
@@ -1331,6 +1331,11 @@ class Executable:
             with open(written[-1], "w") as f:
                 f.write(text)
         return written
+
+
+def _cut_vars(graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int]:
+    """The program's argument vars whose flat leaves ``split`` marks (the ones cut into micro-batches)."""
+    return frozenset(v for v, cut in zip(graph.invars, split) if cut)
 
 
 class _Group(list):
@@ -1516,8 +1521,7 @@ def trace_microbatched(
             raise _on_one_microbatch(err, fn, args, split, f"batch_argnums={batch_argnums}: is a per-example argument "
                                      "missing from it?") from err
         _refuse_named_state(fn, args, batch_argnums, split, graph)
-        if not inference:
-            _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+        _refuse_per_example_results(fn, args, graph, split, num_microbatches, stacked=inference)
         return graph, split
     guess = _guess_split(args, num_microbatches)
     if guess is not None:
@@ -1533,8 +1537,7 @@ def trace_microbatched(
         if graph is not None and (inference or not find_aliases(graph)):
             # no state returned (an evaluation, a step returning gradients): its results cannot tell the batch from
             # the weights, while the arguments whose leaves share one leading size can
-            if not inference:
-                _refuse_per_example_results(fn, args, graph, guess, num_microbatches)
+            _refuse_per_example_results(fn, args, graph, guess, num_microbatches, stacked=inference)
             return graph, guess
         if graph is not None:  # the rule on the micro-batch's trace: its batch leaves, scaled back up
             results = [(p, tuple(graph.vars[v].shape), str(graph.vars[v].dtype)) for p, v in zip(graph.out_paths, graph.outvars)]
@@ -1557,8 +1560,7 @@ def trace_microbatched(
     except TraceError as err:
         raise _on_one_microbatch(err, fn, args, split, "the leading size most data leaves share; name the batch with "
                                  "parallelize(..., batch_argnums=(1,)) if it is other arguments") from err
-    if not inference:
-        _refuse_per_example_results(fn, args, graph, split, num_microbatches)
+    _refuse_per_example_results(fn, args, graph, split, num_microbatches, stacked=inference)
     _warn_if_ambiguous(fn, args, graph, split)
     return graph, split
 
@@ -1647,11 +1649,17 @@ def _refuse_named_state(
         )
 
 
-def _refuse_per_example_results(fn: Callable, args: tuple, graph: OpGraph, split: tuple[bool, ...], num_microbatches: int) -> None:
+def _refuse_per_example_results(
+    fn: Callable, args: tuple, graph: OpGraph, split: tuple[bool, ...], num_microbatches: int, *, stacked: bool = False,
+) -> None:
     """Raise if a result other than the state is per example (it has the batch's rows): a pipelined step
     returns one value per result and step (a float's average over the micro-batches, an integer's last
     value), so it would come back with a micro-batch's rows, not the batch's. Only a result leading with a
-    micro-batch's row count is checked, against the full batch's trace (``jax.eval_shape``, then only)."""
+    micro-batch's row count is checked, against the full batch's trace (``jax.eval_shape``, then only).
+    ``stacked``: an inference step, whose per-example results are put back together (``ProgramSlicing.stacked``):
+    nothing to refuse."""
+    if stacked:
+        return
     flat = jax.tree_util.tree_leaves(args)
     rows = next((np.shape(x)[0] // num_microbatches for x, s in zip(flat, split) if s), None)
     state = find_aliases(graph)

@@ -713,7 +713,7 @@ class PipeshardParallel(ParallelMethod):
             raise MethodOptionError(
                 "PipeshardParallel(stage_input_shardings=...) is not supported: the planner chooses each stage's input "
                 "layouts; pin an op's strategy on the plan (plan.pin(op, strategy)) to fix one")
-        option = self.default_auto_sharding_option or AutoShardingOption(prefer_reduce_scatter=True)
+        option = self.default_auto_sharding_option  # never None: __post_init__
         out: dict[str, Any] = {
             "method": option.method_name(),
             "microbatches": self.num_micro_batches,

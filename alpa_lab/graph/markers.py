@@ -70,9 +70,10 @@ _CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("alpa_
 _CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_cutting", default=False)
 """Whether ``value_and_grad`` turns argument-less boundaries into tensor boundaries."""
 _IN_VALUE_AND_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_in_value_and_grad", default=False)
-# a step without gradients is being cut (``forward_layers``): the layer-construction decorators cut, and mark no loss
-_FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_forward_only", default=False)
 """Whether an ``alpa_lab.value_and_grad`` is differentiating (it cuts and rematerializes its loss itself)."""
+_FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("alpa_lab_forward_only", default=False)
+"""Whether a step without gradients is being cut (``forward_layers``): the layer-construction decorators cut its
+loss function and mark no loss or gradients."""
 
 _CALLS_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 """Calls an argument-less boundary may sit in: pure structure, so they are inlined to cut there."""

@@ -236,9 +236,10 @@ class PipelineProblem:
             if slicing.phase[op.index] == FORWARD
             and any(slicing.phase[c] == BACKWARD for v in op.outputs for c in consumers[v])
         )
-        kinds = classify_arguments(graph)
-        if inference:
-            kinds = {v: "data" if v in slicing.data else "param" for v in kinds}
+        if inference:  # nothing is returned as new state: the batch is data, every other argument a weight
+            kinds = {v: "data" if v in slicing.data else "param" for v in graph.invars}
+        else:
+            kinds = classify_arguments(graph)
         sizes = {"param": 0.0, "optimizer_state": 0.0}
         for v, kind in kinds.items():
             if kind in sizes:
