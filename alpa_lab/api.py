@@ -26,6 +26,7 @@ from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, static_hint, trace
 from alpa_lab.passes.intra_op import build_strategy_graph
+from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod, PlanMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
@@ -74,16 +75,18 @@ def plan_graph(
     progress: Callable[[str], None] | None = None,
     batch_vars: frozenset[int] | None = None,
     batch_mesh_axis: int | None = None,
+    forbidden: tuple[str, ...] = (),
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest plan over the candidate mesh shapes (``batch_vars``: the
     arguments the data-parallel methods split, where the user named them; ``batch_mesh_axis``: Alpa's
-    ``force_batch_dim_to_mesh_dim``, the mesh axis every batch tensor stays split over)."""
+    ``force_batch_dim_to_mesh_dim``, the mesh axis every batch tensor stays split over; ``forbidden``: collective
+    kinds no strategy or resharding may issue, Alpa's ``allow_all_gather=False`` / ``allow_all_to_all=False``)."""
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     shapes = [tuple(mesh_shape)] if mesh_shape is not None else cluster.logical_mesh_shapes()
     if mesh_shape is None and batch_mesh_axis is not None:  # the forced axis splits the batch: grids where it can
         shapes = [s for s in shapes if s[batch_mesh_axis] > 1] or shapes
-    meshes = [cluster.logical_mesh(s) for s in shapes]  # validates a given shape
+    meshes = [dataclasses.replace(cluster.logical_mesh(s), forbidden=tuple(forbidden)) for s in shapes]  # validates a given shape
     best: Plan | None = None
     tried = []
     errors = []
@@ -98,6 +101,11 @@ def plan_graph(
         except MethodError as exc:
             errors.append(str(exc))
             continue
+        except InfeasibleError as exc:
+            if not forbidden:
+                raise
+            errors.append(f"on the {mesh.shape[0]}x{mesh.shape[1]} mesh no plan avoids {' and '.join(forbidden)} ({exc})")
+            continue
         plan = make_plan(sg, solved, method=method, cluster=cluster.to_dict(), pins=dict(pins or {}), memory_budget=memory_budget)
         tried.append((mesh.shape, plan.objective))
         if progress:
@@ -105,7 +113,9 @@ def plan_graph(
         if best is None or plan.objective < best.objective:
             best = plan
     if best is None:
-        raise MethodError("; ".join(errors))
+        hint = (f"; allow {' and '.join(forbidden)} again (AutoShardingOption(allow_all_gather=True, allow_all_to_all=True)) "
+                "or give another mesh" if forbidden else "")
+        raise MethodError("; ".join(errors) + hint)
     return dataclasses.replace(best, mesh_candidates=tuple(tried))
 
 
@@ -393,6 +403,7 @@ class ParallelizedStep:
     ):
         alpa_default = method is None
         batch_mesh_axis = None
+        forbidden: tuple[str, ...] = ()
         runs_on = None
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
@@ -416,6 +427,7 @@ class ParallelizedStep:
             remat, submesh_space = opts.get("remat", remat), opts.get("submesh_space", submesh_space)
             logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
             batch_mesh_axis = opts.get("batch_mesh_axis")
+            forbidden = opts.get("forbidden", ())
             if "cluster" in opts:  # the method's devices= (Alpa's device meshes) say the cluster and maybe the grid
                 if cluster is not None or mesh_shape is not None:
                     raise ValueError(
@@ -485,6 +497,9 @@ class ParallelizedStep:
         self.mesh_shape = mesh_shape
         self.method = method
         self.batch_mesh_axis: int | None = batch_mesh_axis
+        self.forbidden_collectives: tuple[str, ...] = forbidden
+        """collective kinds the plan may not issue (a method object's ``AutoShardingOption(allow_all_gather=False,
+        allow_all_to_all=False)``): every mesh the step is planned on prices them infinitely (``LogicalMesh.forbidden``)"""
         """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): the plan's mesh, or every stage's"""
         self.memory_budget = memory_budget
         self.current_plan: Plan | PipelinePlan | None = None
@@ -679,6 +694,7 @@ class ParallelizedStep:
             fixed=None if self.stage_option is None else self.stage_option.assign,
             batch_mesh_axis=self.batch_mesh_axis,
             stage_axes=getattr(self.stage_option, "batch_axes", None),
+            forbidden=self.forbidden_collectives,
         )
         with self._cache_lock:
             _keep(self._problems, graph.fingerprint, problem)
@@ -739,6 +755,7 @@ class ParallelizedStep:
                 progress=progress,
                 batch_vars=self._batch_vars(args),
                 batch_mesh_axis=self.batch_mesh_axis,
+                forbidden=self.forbidden_collectives,
             )
         if not pins:
             with self._cache_lock:
@@ -852,11 +869,13 @@ class ParallelizedStep:
                             "names it), or re-plan with step.plan(...)"
                         )
                     problem = self._problems.get(graph.fingerprint)
-                    if problem is None or problem.cluster.to_dict() != dict(plan.cluster):
+                    forbidden = plan.stages[0].plan.forbidden_collectives  # every stage's mesh had them
+                    if problem is None or problem.cluster.to_dict() != dict(plan.cluster) or problem.forbidden != forbidden:
                         cut = self._split(*args)
                         problem = PipelineProblem.build(
                             graph, ClusterSpec(**plan.cluster), inference=plan.schedule == INFERENCE, batch=_cut_vars(graph, cut))
                         problem.batch_vars = self._named_split(args, graph, cut)
+                        problem.forbidden = forbidden
                         if dict(plan.cluster) == self.cluster.to_dict():
                             with self._cache_lock:
                                 _keep(self._problems, graph.fingerprint, problem)
@@ -867,7 +886,8 @@ class ParallelizedStep:
             graph = self.trace(*args)
             plan.check_program(graph)
             if plan.problem is None:
-                mesh = self.cluster.logical_mesh(plan.mesh_shape, plan.device_ids)
+                mesh = dataclasses.replace(self.cluster.logical_mesh(plan.mesh_shape, plan.device_ids),
+                                           forbidden=plan.forbidden_collectives)
                 sg = build_strategy_graph(graph, mesh, tie_period=int(plan.solver.get("tie_period", 1)))
                 if plan.batch_inputs is not None:  # the batch the plan was made with (batch_argnums), for its re-solves
                     batch = frozenset(v for p, v in zip(graph.in_paths, graph.invars) if p in plan.batch_inputs)
@@ -1176,7 +1196,7 @@ class ParallelizedStep:
         new = plan_graph(
             graph, cluster, mesh_shape=self.mesh_shape, method=plan.method, memory_budget=plan.memory_budget,
             pins=dict(plan.pins) or None, batch_vars=self._batch_vars(args or tuple(self._last_args)),
-            batch_mesh_axis=plan.batch_mesh_axis,
+            batch_mesh_axis=plan.batch_mesh_axis, forbidden=plan.forbidden_collectives,
         )
         self.cluster = cluster  # only once planned: a failed re-plan leaves the step as it was
         self.current_plan = new

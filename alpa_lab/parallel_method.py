@@ -85,8 +85,11 @@ class AutoShardingOption:
     ``ManualStageOption``'s per-stage dicts) each stage's plan keeps it so on that stage's logical mesh, and the
     stage DP prices each layer so (the default option's axis), as Alpa profiles its stages with the option.
     ``force_data_parallel`` keeps the batch split over every device, and takes precedence over it.
-    Those that only tune Alpa's own solver or its collective combiners (the thresholds, ``prefer_reduce_scatter``
-    without ``force_data_parallel``) are accepted and change nothing; those that forbid strategies are refused."""
+    ``allow_all_gather=False`` / ``allow_all_to_all=False``: no strategy and no resharding of the plan issues that
+    collective (the mesh prices it infinitely; planning says so where no plan avoids it), for the plan's mesh or
+    every stage's. Those that only tune Alpa's own solver or its collective combiners (the thresholds,
+    ``prefer_reduce_scatter`` without ``force_data_parallel``) are accepted and change nothing;
+    ``allow_replicated_parameters=False`` is refused."""
 
     enable_auto_sharding: bool = True
     allow_all_gather: bool = True
@@ -116,12 +119,20 @@ class AutoShardingOption:
             return "zero3"
         if self.force_data_parallel:  # Alpa then lifts the restrictions below itself
             return "zero2" if self.prefer_reduce_scatter else "data_parallel"
-        forbidden = [f for f in ("allow_all_gather", "allow_all_to_all", "allow_replicated_parameters") if not getattr(self, f)]
-        if forbidden:
+        if not self.allow_replicated_parameters:
             raise MethodOptionError(
-                f"AutoShardingOption({', '.join(f'{f}=False' for f in forbidden)}) is not supported: the ILP here considers "
-                "every strategy; pin strategies on the plan instead (plan.pin(op, strategy))")
+                "AutoShardingOption(allow_replicated_parameters=False) is not supported: the ILP here considers every "
+                "layout of a parameter; pin the parameters' layouts on the plan instead (plan.pin(name, spec))")
         return "alpa"
+
+    def forbidden_collectives(self) -> tuple[str, ...]:
+        """The collective kinds these options forbid the ILP's own method (``LogicalMesh.forbidden``): Alpa's
+        ``allow_all_gather=False`` / ``allow_all_to_all=False``. The other methods fix the layouts themselves (Alpa
+        lifts both restrictions under ``force_data_parallel`` too), so they forbid nothing."""
+        if self.method_name() != "alpa":
+            return ()
+        return tuple(k for k, allowed in (("all-gather", self.allow_all_gather), ("all-to-all", self.allow_all_to_all))
+                     if not allowed)
 
 
 @dataclass(frozen=True)
@@ -542,6 +553,8 @@ class ShardParallel(ParallelMethod):
         axis = _mesh_axis_option(self.auto_sharding_option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
         if axis != -1 and out["method"] == "alpa":  # force_data_parallel / ZeRO: the batch over every device
             out["batch_mesh_axis"] = axis
+        if self.auto_sharding_option.forbidden_collectives():
+            out["forbidden"] = self.auto_sharding_option.forbidden_collectives()
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
             if "mesh_shape" in out:
                 raise MethodOptionError(
@@ -724,6 +737,8 @@ class PipeshardParallel(ParallelMethod):
         axis = _mesh_axis_option(option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
         if axis != -1 and out["method"] == "alpa":  # every stage keeps its batch split over that axis (a stage's dict may differ)
             out["batch_mesh_axis"] = axis
+        if option.forbidden_collectives():
+            out["forbidden"] = option.forbidden_collectives()
         layer = self.layer_option
         if layer is None:
             layer = AutoLayerOption(layer_num=2)

@@ -317,7 +317,6 @@ def test_alpas_logical_mesh_spaces(mlp, cluster, space):
     (lambda: al.PipeshardParallel(stage_option=al.AutoStageOption(profiling_database_filename="prof.pkl")), "profiling files"),
     (lambda: al.PipeshardParallel(stage_option=al.AutoStageOption(manually_specified_submeshes=[(1, 4)])), "manually_specified"),
     (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(enable_auto_sharding=False)), "enable_auto_sharding"),
-    (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(allow_all_gather=False)), "allow_all_gather=False"),
     (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(allow_replicated_parameters=False)),
      "allow_replicated_parameters=False"),
     (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(force_simple_heuristic="shard-largest")),

@@ -290,6 +290,15 @@ class LogicalMesh:
     host_to_device_bandwidth: float = 12 * GB
     axis_names: tuple[str, str] = field(default=("x", "y"))
     op_overhead: float = 0.0
+    forbidden: tuple[str, ...] = ()
+    """collective kinds the planner may not issue on this mesh (Alpa's ``AutoShardingOption(allow_all_gather=False,
+    allow_all_to_all=False)``): they cost infinitely much, so the ILP chooses strategies and reshardings without
+    them, or says that none exist"""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.forbidden) - set(COLLECTIVE_KINDS))
+        if unknown:
+            raise ValueError(f"cannot forbid {unknown}: the collective kinds are {', '.join(COLLECTIVE_KINDS)}")
 
     @property
     def num_devices(self) -> int:
@@ -310,6 +319,8 @@ class LogicalMesh:
         n, alpha, beta = self.group(axes)
         if n == 1:
             return 0.0
+        if kind in self.forbidden:
+            return math.inf
         if kind == "all-reduce":
             return alpha + beta * 2 * (n - 1) / n * nbytes
         if kind in ("all-gather", "reduce-scatter", "all-to-all"):
@@ -332,6 +343,7 @@ class LogicalMesh:
             "device_ids": list(self.device_ids),
             "alpha": list(self.alpha),
             "beta": list(self.beta),
+            **({"forbidden": list(self.forbidden)} if self.forbidden else {}),
         }
 
 

@@ -617,6 +617,8 @@ def solve_strategy_graph(
             conflict = _conflicting_pins(sg, pins, restrictions, memory_budget, time_limit)
             if conflict:
                 where = " within the memory budget" if memory_budget else ""
+                if sg.mesh.forbidden:  # the pair may be fine but for the resharding between them
+                    where += f" without {' or '.join(sg.mesh.forbidden)} (the plan's AutoShardingOption forbids it)"
                 raise PinError(
                     f"these pins cannot hold together{where}: "
                     + ", ".join(f"{k}={v!r}" for k, v in conflict.items())

@@ -507,6 +507,7 @@ def make_plan(
         mesh_candidates=tuple(mesh_candidates),
         batch_inputs=None if sg.batch_vars is None else tuple(p for p, v in zip(in_paths, sg.invars) if v in sg.batch_vars),
         batch_mesh_axis=sg.batch_mesh_axis,
+        forbidden_collectives=sg.mesh.forbidden,
         unplanned_primitives=sg.unplanned_primitives,
         rewrites=solved.rewrites,
         problem=sg,

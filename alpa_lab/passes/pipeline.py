@@ -158,6 +158,9 @@ class PipelineProblem:
     batch_mesh_axis: int | None = None
     """Alpa's ``force_batch_dim_to_mesh_dim`` for every stage's plan (a method's ``default_auto_sharding_option``):
     the mesh axis each stage keeps its batch split over (``methods._forced_batch_axis``); None: the ILP's choice"""
+    forbidden: tuple[str, ...] = ()
+    """collective kinds no stage may issue (``LogicalMesh.forbidden``: Alpa's ``allow_all_gather=False`` /
+    ``allow_all_to_all=False``): every mesh of this problem has them, so its cached costs hold only for them"""
     stage_batch_axes: dict = field(default_factory=dict)
     """(layers, sub-mesh, logical mesh) -> that stage's own forced batch axis (a ``ManualStageOption``'s per-stage
     auto-sharding dicts), over ``batch_mesh_axis``; -1: not forced there"""
@@ -281,7 +284,8 @@ class PipelineProblem:
         if device_ids is None:  # a canonical placement: first hosts, first devices of each
             M = self.cluster.devices_per_host
             device_ids = [h * M + d for h in range(submesh[0]) for d in range(submesh[1])]
-        return self.cluster.logical_mesh(logical, tuple(device_ids))
+        mesh = self.cluster.logical_mesh(logical, tuple(device_ids))
+        return dataclasses.replace(mesh, forbidden=self.forbidden) if self.forbidden else mesh
 
     def dp_axis(self, method: str) -> int | None:
         """The mesh axis the DP's layer costs in ``method`` keep the batch split over: the plan's default forced axis
@@ -648,7 +652,7 @@ class PipelineProblem:
             self.graph, cluster, num_microbatches=plan.num_microbatches,
             schedule="1f1b" if interleaved else plan.schedule, method=plan.method, max_stages=plan.max_stages,
             problem=self, logical_meshes=self.logical_meshes, submesh_space=plan.submesh_space,
-            batch_mesh_axis=self.batch_mesh_axis,
+            batch_mesh_axis=self.batch_mesh_axis, forbidden=self.forbidden,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
         if interleaved:
@@ -667,6 +671,7 @@ class PipelineProblem:
         cluster = profile.cluster()
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
+        new.forbidden = self.forbidden
         new.stage_timer, new.batch_vars = self.stage_timer, self.batch_vars
         new.batch_mesh_axis, new.stage_batch_axes = self.batch_mesh_axis, dict(self.stage_batch_axes)
         new.logical_meshes, new.submesh_space = self.logical_meshes, plan.submesh_space
@@ -1182,6 +1187,7 @@ def plan_pipeline(
     fixed: Callable[[PipelineProblem], tuple] | None = None,
     batch_mesh_axis: int | None = None,
     stage_axes: Callable[[int], Sequence[int | None]] | None = None,
+    forbidden: tuple[str, ...] = (),
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -1206,12 +1212,19 @@ def plan_pipeline(
     ``batch_mesh_axis``: Alpa's ``force_batch_dim_to_mesh_dim`` for every stage's plan (``PipelineProblem.batch_mesh_axis``;
     the DP prices the layers with it too, ``PipelineProblem.dp_axis``); ``stage_axes(number of fixed stages)``: each
     fixed stage's own (None: the default; -1: not forced), kept for re-plans of those stages (``stage_batch_axes``).
+    ``forbidden``: collective kinds no stage may issue (``PipelineProblem.forbidden``); a ``problem`` made for others
+    is not reused, as its cached layer costs priced them.
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
     check_submesh_space(submesh_space)
     inference = schedule == INFERENCE
-    problem = problem or PipelineProblem.build(graph, cluster, inference=inference, batch=split_vars)
+    forbidden = tuple(forbidden)
+    if problem is not None and problem.forbidden != forbidden:
+        problem = None
+    if problem is None:
+        problem = PipelineProblem.build(graph, cluster, inference=inference, batch=split_vars)
+        problem.forbidden = forbidden
     if problem.inference != inference:
         raise InterOpError(
             f"this step {'has no gradients' if problem.inference else 'takes gradients'}: plan it with "

@@ -241,6 +241,9 @@ class Plan:
     batch_mesh_axis: int | None = None
     """Alpa's ``force_batch_dim_to_mesh_dim``: the mesh axis every batch tensor was kept split over (saved, so a
     re-solve of the loaded plan keeps it); None: the ILP chose"""
+    forbidden_collectives: tuple[str, ...] = ()
+    """collective kinds the plan was made without (Alpa's ``allow_all_gather=False`` / ``allow_all_to_all=False``):
+    saved, so a re-solve of the loaded plan forbids them too"""
     schema_version: int = SCHEMA_VERSION
     problem: PlanProblem | None = field(default=None, compare=False, repr=False)
     """the planner state (``passes.intra_op.StrategyGraph``) edits ask: not saved; ``ParallelizedStep.use`` re-attaches it."""
@@ -547,7 +550,16 @@ def _plan_from_dict(d: dict) -> Plan:
         rewrites=tuple(d.get("rewrites", [])),
         batch_inputs=None if d.get("batch_inputs") is None else tuple(str(p) for p in d["batch_inputs"]),
         batch_mesh_axis=None if d.get("batch_mesh_axis") is None else _mesh_axis(d["batch_mesh_axis"]),
+        forbidden_collectives=_forbidden(d.get("forbidden_collectives", [])),
     )
+
+
+def _forbidden(v: Any) -> tuple[str, ...]:
+    from alpa_lab.cost.cluster import COLLECTIVE_KINDS
+
+    if not isinstance(v, (list, tuple)) or not set(v) <= set(COLLECTIVE_KINDS):
+        raise ValueError(f"forbidden_collectives must list collective kinds ({', '.join(COLLECTIVE_KINDS)}), got {v!r}")
+    return tuple(str(k) for k in v)
 
 
 def _mesh_axis(v: Any) -> int:
