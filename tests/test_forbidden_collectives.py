@@ -67,6 +67,10 @@ def test_a_loaded_plan_is_re_solved_with_its_restriction():
     repinned = plain.pin(op.name, op.strategy)
     assert repinned.forbidden_collectives == ("all-gather",) and "all-gather" not in _kinds(repinned)
     assert repinned.objective == pytest.approx(plan.objective, rel=1e-9)
+    # the explanation of an op names the alternatives that would need an all-gather, not an infinite cost
+    text = next(str(e) for e in (repinned.explain(o.name) for o in repinned.ops if o.kind == "op")
+                if any(not np.isfinite(a.total) for a in e.alternatives))
+    assert "forbidden" in text and "inf" not in text.replace("info", ""), text
 
 
 def test_pins_and_programs_that_need_a_forbidden_collective_are_refused_by_name():

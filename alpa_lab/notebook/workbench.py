@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import statistics
 import threading
 import time
@@ -418,7 +419,8 @@ class Workbench(W.VBox):
         alts = sorted(ex.alternatives, key=lambda a: a.total)
         with self.strategy_select.hold_sync():
             self.strategy_select.options = [
-                (f"{a.strategy}  ({a.total * 1e6:.2f} us{', chosen' if a.chosen else ''})", a.strategy) for a in alts
+                (f"{a.strategy}  ({f'{a.total * 1e6:.2f} us' if math.isfinite(a.total) else 'forbidden'}"
+                 f"{', chosen' if a.chosen else ''})", a.strategy) for a in alts
             ]
             self.strategy_select.value = ex.op.strategy
         self.explain_html.value = f"<pre>{html.escape(str(ex))}</pre>"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -192,11 +193,16 @@ class Explanation:
         lines.append("  strategy                              own cost    resharding  total")
         for a in sorted(self.alternatives, key=lambda a: a.total):
             mark = "*" if a.chosen else " "
-            lines.append(
-                f"{mark} {a.strategy:<36} {a.own_cost * 1e6:9.2f}us {a.resharding_cost * 1e6:9.2f}us {a.total * 1e6:9.2f}us"
-            )
+            lines.append(f"{mark} {a.strategy:<36} {_us(a.own_cost)} {_us(a.resharding_cost)} {_us(a.total)}")
         lines.append("  (costs with every other op's strategy held as planned; * = chosen)")
+        if any(not math.isfinite(a.total) for a in self.alternatives):
+            lines.append("  (forbidden: it needs a collective the plan's AutoShardingOption forbids)")
         return "\n".join(lines)
+
+
+def _us(seconds: float) -> str:
+    """A cost column: microseconds, or 'forbidden' for a strategy a forbidden collective prices infinitely."""
+    return f"{seconds * 1e6:9.2f}us" if math.isfinite(seconds) else f"{'forbidden':>11}"
 
 
 @dataclass(frozen=True)
