@@ -556,11 +556,9 @@ class ShardParallel(ParallelMethod):
         if self.auto_sharding_option.forbidden_collectives():
             out["forbidden"] = self.auto_sharding_option.forbidden_collectives()
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
-            if "mesh_shape" in out:
-                raise MethodOptionError(
-                    f"{type(self).__name__}(num_micro_batches=...) with a logical mesh as devices: gradient accumulation "
-                    "plans its one stage's logical mesh itself; pass a LocalPhysicalDeviceMesh or no devices")
-            out.update(microbatches=self.num_micro_batches, layers=1, stage_option=_WHOLE_CLUSTER)
+            # a logical mesh as devices: the one stage is viewed as that grid (its costs are the cluster's)
+            stage = _WholeCluster(out.pop("mesh_shape", None))
+            out.update(microbatches=self.num_micro_batches, layers=1, stage_option=stage)
         return out
 
 
@@ -846,16 +844,19 @@ class ManualPipeshardParallel(PipeshardParallel):
 @dataclass(frozen=True)
 class _WholeCluster:
     """One stage of every layer on every device: gradient accumulation on a single mesh (``ShardParallel``'s
-    ``num_micro_batches``)."""
+    ``num_micro_batches``). ``logical``: the stage's logical mesh where Alpa's ``devices=`` gave one (a
+    ``LogicalDeviceMesh``, whose grid is the cluster's hosts x devices); None: the planner chooses the view."""
 
-    def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], None]:
+    logical: tuple[int, int] | None = None
+
+    def assign(self, problem: Any) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]] | None]:
         from alpa_lab.passes.submesh import even_submesh
 
         c = problem.cluster
-        return [[0, problem.slicing.num_layers - 1]], [even_submesh(c.hosts, c.devices_per_host, 1)], None
+        submesh = even_submesh(c.hosts, c.devices_per_host, 1)
+        return [[0, problem.slicing.num_layers - 1]], [submesh], None if self.logical is None else [tuple(self.logical)]
 
     def batch_axes(self, num_stages: int) -> list[int | None]:
         return [None] * num_stages
 
 
-_WHOLE_CLUSTER = _WholeCluster()

@@ -170,8 +170,6 @@ def test_alpas_option_mutation_and_device_meshes():
         mesh.get_logical_mesh((2, 2), [1, 1], [0, 1])
     with pytest.raises(MethodOptionError, match=r"mesh_topology.*not supported: give mesh_alpha and mesh_beta"):
         mesh.get_logical_mesh((2, 2), mesh_topology="tree")
-    with pytest.raises(MethodOptionError, match=r"num_micro_batches=...\) with a logical mesh as devices"):
-        al.ShardParallel(devices=logical, num_micro_batches=2).options()
     with pytest.raises(ValueError, match=r"ShardParallel\(devices=...\) says which devices.*drop cluster="):
         al.parallelize(lambda s, b: s, method=al.ShardParallel(devices=logical), cluster=al.ClusterSpec.local(1, 4))
 
@@ -313,3 +311,41 @@ def test_alpas_device_list_fast_call_and_pipeline_option():
 
     with pytest.raises(PlacementError, match=r"sum to 4, but the 1x8 cluster has 8 .*devices=jax.local_devices\(\)\[:n\]"):
         place_submeshes([(1, 2), (1, 2)], 1, 8)  # Alpa's scatter-gather stages on this process's 8 devices
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
+def test_gradient_accumulation_on_alpas_logical_mesh(shape):
+    """Alpa's test_gradient_accumulation: ``ShardParallel(devices=<logical mesh>, num_micro_batches=2)`` with
+    ``allow_all_to_all=False``. The one stage is viewed as the given grid, priced by its alpha-beta numbers; the
+    result equals the unparallelized step (summed micro-batch gradients, as one batch's); the two Dense layers' weight
+    gradients are all-reduced (data parallel: a 256 batch against 16x16 weights), and nothing is all-to-all."""
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16)(nn.Dense(16)(x))
+
+    batch = {"x": jnp.ones((256, 16)) * jnp.arange(256)[:, None], "y": jnp.ones((256, 16))}
+    model = Model()
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), batch["x"]),
+                              tx=optax.sgd(1e-2, momentum=0.9))
+
+    def train_step(state, batch):
+        def loss_func(params):
+            return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+        return state.apply_gradients(grads=al.grad(loss_func)(state.params))
+
+    option = al.AutoShardingOption(allow_all_to_all=False)
+    step = al.parallelize(train_step, method=al.ShardParallel(devices=logical_mesh(shape), num_micro_batches=2,
+                                                              auto_sharding_option=option))
+    actual = step(state, batch)
+    expected = train_step(state, batch)
+    for a, b in zip(jax.tree_util.tree_leaves(actual.params), jax.tree_util.tree_leaves(expected.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    (stage,) = step.current_plan.stages
+    assert stage.logical_shape == shape and stage.submesh_shape == shape
+    assert stage.plan.forbidden_collectives == ("all-to-all",)
+    texts = step.get_last_executable().get_hlo_text()  # forward, backward, update of the one stage
+    counts = [al.count_communication_primitives(t) for t in texts]
+    assert all(c[4] == 0 for c in counts), counts  # no all-to-all
+    assert counts[1][1] >= 1, counts  # the backward all-reduces the weight gradients
