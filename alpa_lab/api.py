@@ -404,6 +404,7 @@ class ParallelizedStep:
         alpa_default = method is None
         batch_mesh_axis = None
         forbidden: tuple[str, ...] = ()
+        stage_inputs: tuple[tuple[str, ...], ...] | None = None
         runs_on = None
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
@@ -426,6 +427,7 @@ class ParallelizedStep:
             layers = opts.get("layers", layers)
             remat, submesh_space = opts.get("remat", remat), opts.get("submesh_space", submesh_space)
             logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
+            stage_inputs = opts.get("stage_input_shardings")
             batch_mesh_axis = opts.get("batch_mesh_axis")
             forbidden = opts.get("forbidden", ())
             if "cluster" in opts:  # the method's devices= (Alpa's device meshes) say the cluster and maybe the grid
@@ -482,6 +484,9 @@ class ParallelizedStep:
         self.submesh_space = submesh_space
         self.logical_meshes = logical_meshes
         self.stage_option = stage_option
+        self.stage_input_shardings = stage_inputs
+        """Alpa's ``PipeshardParallel(stage_input_shardings=...)``: each stage's inputs pinned to these specs once the
+        stages are chosen (``_pin_stage_inputs``); None: planned"""
         self.batch_argnums = check_batch_argnums(batch_argnums)
         self._alpa_batch = (alpa_default or self.parallel_method is not None) and self.batch_argnums is None
         """a method object (or method=None) without batch_argnums: Alpa's default, the batch is argument 1 where the
@@ -714,6 +719,8 @@ class ParallelizedStep:
             submesh_space=self.submesh_space,
             stage_pins=self.stage_option is not None,
         )
+        if self.stage_input_shardings is not None:
+            pins = {**_stage_input_pins(plan, self.stage_input_shardings), **(pins or {})}
         if pins:
             plan = plan._replan(plan._current_stages(), pins, plan.stage_pins)
         if isinstance(self.stage_option, _FollowedStages):
@@ -1284,6 +1291,14 @@ class Executable:
         structure (the meshes holding it and its sharding spec on each)."""
         return self.plan.placement_specs(*self._args())[0]
 
+    @property
+    def stage_input_shard_specs(self) -> list[list[str]]:
+        """Per pipeline stage, the sharding spec of each of its inputs in order (Alpa's name): what
+        ``PipeshardParallel(stage_input_shardings=...)`` takes to plan another step (another batch size) with them."""
+        if not isinstance(self.plan, PipelinePlan):
+            raise ValueError("a single-mesh plan has no stages: its inputs' layouts are get_input_placement_specs()")
+        return [[t.spec for t in st.plan.inputs] for st in self.plan.stages]
+
     def get_output_placement_specs(self) -> Any:
         """Where the plan leaves each result (Alpa's name): a ``PlacementSpec`` per leaf, in the results' structure."""
         if self.step is None:
@@ -1498,6 +1513,27 @@ class StateExecutable:
 
     def sync(self) -> None:
         _TIMER.sync()
+
+
+def _stage_input_pins(plan: PipelinePlan, given: tuple[tuple[str, ...], ...]) -> dict[str, str]:
+    """Pins holding each stage's inputs in the given specs (Alpa's ``stage_input_shardings``), checked against the
+    planned stages: as many stages, as many inputs each, and one spec for an input several stages read."""
+    if len(given) != len(plan.stages):
+        raise MethodOptionError(
+            f"stage_input_shardings gives {len(given)} stages' input specs but the plan has {len(plan.stages)} stages: give "
+            "one list per stage (an executable's stage_input_shard_specs of a step with the same stages)")
+    pins: dict[str, str] = {}
+    for st, specs in zip(plan.stages, given):
+        if len(specs) != len(st.plan.inputs):
+            raise MethodOptionError(
+                f"stage_input_shardings[{st.index}] gives {len(specs)} specs but stage {st.index} has {len(st.plan.inputs)} "
+                f"inputs ({', '.join(t.path for t in st.plan.inputs[:3])}{', ...' if len(st.plan.inputs) > 3 else ''})")
+        for t, spec in zip(st.plan.inputs, specs):
+            if pins.setdefault(t.path, spec) != spec:
+                raise MethodOptionError(
+                    f"stage_input_shardings holds {t.path}, an input of several stages, as {pins[t.path]!r} and {spec!r}: "
+                    "give it one spec")
+    return pins
 
 
 def trace_microbatched(

@@ -493,6 +493,17 @@ class LocalPhysicalDeviceMesh:
         return LogicalDeviceMesh(self.devices, shape, tuple(mesh_alpha or (1.0, 1.0)), tuple(mesh_beta or (1.0, 1.0)))
 
 
+def _stage_input_shardings(given: Any) -> tuple[tuple[str, ...], ...]:
+    """Alpa's ``stage_input_shardings``: per stage, the sharding spec of each of its inputs in order (what an
+    executable's ``stage_input_shard_specs`` gives), as spec strings; checked against the stages once planned."""
+    try:
+        return tuple(tuple(str(spec) for spec in stage) for stage in given)
+    except TypeError:
+        raise MethodOptionError(
+            "PipeshardParallel(stage_input_shardings=...) takes one list of sharding specs per stage (an executable's "
+            f"stage_input_shard_specs), got {type(given).__name__}") from None
+
+
 def _mesh_options(devices: Any, name: str) -> dict[str, Any]:
     """``parallelize``'s cluster (and mesh shape) for Alpa's ``devices=``: a logical mesh plans on that grid with its
     costs; a physical mesh is its devices with this machine's cost model, every grid tried."""
@@ -698,6 +709,9 @@ class PipeshardParallel(ParallelMethod):
     (Alpa's default). ``pipeline_schedule``: "1f1b" or "gpipe" (and this planner's others), or "inference" for a
     step without gradients (an evaluation: its forward pipelined over the stages). ``devices``: the
     cluster to plan for, as ``ShardParallel``'s (a ``VirtualPhysicalMesh``: part of a Ray cluster, run there).
+    ``stage_input_shardings``: per stage, a sharding spec for each of its inputs (an executable's
+    ``stage_input_shard_specs``, to plan another batch size with the same layouts): pinned once the stages are
+    chosen, and refused by name where the stages or their inputs do not match.
     """
 
     devices: Any = None
@@ -720,10 +734,6 @@ class PipeshardParallel(ParallelMethod):
 
     def options(self) -> dict[str, Any]:
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
-        if self.stage_input_shardings is not None:
-            raise MethodOptionError(
-                "PipeshardParallel(stage_input_shardings=...) is not supported: the planner chooses each stage's input "
-                "layouts; pin an op's strategy on the plan (plan.pin(op, strategy)) to fix one")
         option = self.default_auto_sharding_option  # never None: __post_init__
         out: dict[str, Any] = {
             "method": option.method_name(),
@@ -737,6 +747,8 @@ class PipeshardParallel(ParallelMethod):
             out["batch_mesh_axis"] = axis
         if option.forbidden_collectives():
             out["forbidden"] = option.forbidden_collectives()
+        if self.stage_input_shardings is not None:
+            out["stage_input_shardings"] = _stage_input_shardings(self.stage_input_shardings)
         layer = self.layer_option
         if layer is None:
             layer = AutoLayerOption(layer_num=2)

@@ -262,3 +262,41 @@ def test_alpas_manual_submesh_space_and_model_parallel_logical_meshes():
     with pytest.raises(ValueError, match=r"sub-mesh shapes \[\(1, 3\)\] are not ones Alpa places on 1x8: choose from"):
         al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual",
                                                                stage_option=odd)).plan(params, batch)
+
+
+def test_stage_input_shardings_plan_another_batch_size_with_the_same_input_layouts():
+    """Alpa's test_set_input_shard: an inference pipeline compiled for batch 1 gives each stage's input specs
+    (``stage_input_shard_specs``); ``PipeshardParallel(stage_input_shardings=...)`` plans batch 8 with them, where
+    batch 8 planned freely lays its inputs out otherwise (the batch split); oracle for the numerics: the function."""
+    model = MLP(hidden=64)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 64), jnp.float32))
+
+    def infer_fn(params, batch):
+        return model.apply(params, batch["x"])
+
+    option = al.AutoShardingOption(force_batch_dim_to_mesh_dim=None, allow_all_to_all=False, allow_all_gather=False)
+
+    def executable(batch_size, **extra):
+        method = al.PipeshardParallel(num_micro_batches=1, pipeline_schedule="inference", layer_option="manual",
+                                      default_auto_sharding_option=option, **extra)
+        x = jax.ShapeDtypeStruct((batch_size, 64), jnp.float32)
+        return al.parallelize(infer_fn, batch_argnums=(1,), method=method).get_executable(params, {"x": x})
+
+    first = executable(1)
+    specs = first.stage_input_shard_specs
+    assert len(specs) == 2 and [len(s) for s in specs] == [len(st.plan.inputs) for st in first.plan.stages]
+    free, held = executable(8), executable(8, stage_input_shardings=specs)
+    assert free.stage_input_shard_specs != held.stage_input_shard_specs
+    assert held.stage_input_shard_specs == specs
+    weights = jax.tree_util.tree_map(lambda s: jnp.full(s.shape, 0.01, s.dtype), params)
+    x = jnp.arange(8 * 64, dtype=jnp.float32).reshape(8, 64) / 100
+    np.testing.assert_allclose(np.asarray(held(weights, {"x": x})), np.asarray(infer_fn(weights, {"x": x})), rtol=RTOL, atol=ATOL)
+
+    with pytest.raises(al.MethodOptionError, match="gives 1 stages' input specs but the plan has 2 stages"):
+        executable(8, stage_input_shardings=specs[:1])
+    with pytest.raises(al.MethodOptionError, match=r"stage_input_shardings\[1\] gives 2 specs but stage 1 has 5 inputs"):
+        executable(8, stage_input_shardings=[specs[0], specs[1][:2]])
+    with pytest.raises(al.MethodOptionError, match="one list of sharding specs per stage"):
+        al.PipeshardParallel(stage_input_shardings=3).options()
+    with pytest.raises(ValueError, match="a single-mesh plan has no stages"):
+        al.parallelize(infer_fn, method=al.ShardParallel()).get_executable(weights, {"x": x}).stage_input_shard_specs

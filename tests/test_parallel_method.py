@@ -322,7 +322,7 @@ def test_alpas_logical_mesh_spaces(mlp, cluster, space):
     (lambda: al.ShardParallel(auto_sharding_option=al.AutoShardingOption(force_simple_heuristic="shard-largest")),
      "force_simple_heuristic"),
     (lambda: al.ShardParallel(manual_sharding_option=object()), "manual_sharding_option"),
-    (lambda: al.PipeshardParallel(stage_input_shardings=[[]]), "stage_input_shardings"),
+    (lambda: al.PipeshardParallel(stage_input_shardings=[None]), "one list of sharding specs per stage"),
     (lambda: al.PipeshardParallel(stage_option="dp"), "stage_option must be"),
     (lambda: al.PipeshardParallel(layer_option="auto"), "layer_option must be"),
     (lambda: al.PipeshardParallel(layer_option=al.AutoLayerOption(2, static_argnums=(1,))), "static_argnums"),
