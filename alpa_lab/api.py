@@ -8,13 +8,15 @@ current plan, compiled once). It holds the *current plan*; editing returns new p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
 import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -379,6 +381,99 @@ def _not_defaults(given: Mapping[str, Any], fn: Callable) -> list[str]:
     return sorted(k for k, v in given.items() if v != defaults[k].default)
 
 
+@dataclasses.dataclass(frozen=True)
+class StaticArgs:
+    """Arguments bound into the traced function, not passed to the program (Alpa's ``static_argnums``): a function
+    (``model.apply``), a string, a flag the step branches on in Python. Their values key the traces, so a call with
+    other values traces (and plans) anew, as ``jax.jit`` compiles anew."""
+
+    positions: tuple[int, ...]
+    values: tuple[Any, ...]
+
+    @property
+    def key(self) -> tuple:
+        """The values as a trace key: each by equality where it hashes, else by identity."""
+        out = []
+        for p, v in zip(self.positions, self.values):
+            try:
+                hash(v)
+                out.append((p, "value", v))
+            except TypeError:
+                out.append((p, "id", id(v)))
+        return tuple(out)
+
+    def dynamic(self, args: tuple) -> tuple:
+        return tuple(a for i, a in enumerate(args) if i not in self.positions)
+
+    def bind(self, fn: Callable) -> Callable:
+        """``fn`` taking the other arguments only, in order, with these put back at their positions."""
+        at = dict(zip(self.positions, self.values))
+
+        def bound(*dynamic: Any) -> Any:
+            rest = iter(dynamic)
+            return fn(*(at[i] if i in at else next(rest) for i in range(len(dynamic) + len(at))))
+
+        return functools.wraps(fn)(bound)
+
+    def user_index(self, dynamic_index: int) -> int:
+        """The position in the user's call of the ``dynamic_index``-th argument passed on."""
+        return [i for i in range(dynamic_index + len(self.positions) + 1) if i not in self.positions][dynamic_index]
+
+
+def check_static_argnums(static_argnums: Any) -> str | tuple[int, ...]:
+    """Alpa's ``static_argnums``: "auto", None / () (none), or argument positions (an int or a sequence)."""
+    if static_argnums == "auto":
+        return "auto"
+    if static_argnums is None:
+        return ()
+    nums = (static_argnums,) if isinstance(static_argnums, (int, np.integer)) else static_argnums
+    try:
+        nums = tuple(nums)
+    except TypeError:
+        nums = None
+    if nums is None or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in nums):
+        raise ValueError(f"static_argnums must be 'auto' or argument positions (e.g. 2 or (2, 3)), got {static_argnums!r}")
+    return tuple(sorted(set(int(n) for n in nums)))
+
+
+def _not_an_array(x: Any) -> bool:
+    return not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(x, (bool, int, float, complex, np.generic))
+
+
+def static_positions(args: tuple, static_argnums: str | tuple[int, ...]) -> tuple[int, ...]:
+    """The static arguments of a call: those given, or with "auto" (Alpa's rule, narrowed) each argument that is a
+    string or holds only values JAX cannot take as arrays (a function, a module, an object). An argument mixing
+    arrays with such values is not made static whole (its arrays would become constants of the program): the trace
+    names the value instead. Python numbers and bools stay arguments of the program (traced, as ``jax.jit`` types
+    them, so a new learning rate does not plan again): give their positions to make them static."""
+    if static_argnums == "auto":
+        out = []
+        for i, a in enumerate(args):
+            leaves = jax.tree_util.tree_leaves(a)
+            if isinstance(a, str) or (leaves and all(_not_an_array(x) for x in leaves)):
+                out.append(i)
+        return tuple(out)
+    missing = [i for i in static_argnums if i >= len(args)]
+    if missing:
+        raise ValueError(f"static_argnums names argument {missing[0]} but the call passes {len(args)} arguments")
+    return tuple(static_argnums)
+
+
+def _static_entry(skip: int = 0) -> Callable[[Callable], Callable]:
+    """A public method taking the step's arguments (after ``skip`` others): the outermost such call binds the static
+    arguments (``ParallelizedStep._bind_static``) and passes the rest on; calls it makes in turn get those as they are."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def wrapper(self: ParallelizedStep, *args: Any, **kwargs: Any) -> Any:
+            with self._serving(args[skip:]) as dynamic:
+                return method(self, *args[:skip], *dynamic, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
 class ParallelizedStep:
     """A training step with a plan: call it like the original function."""
 
@@ -400,6 +495,7 @@ class ParallelizedStep:
         batch_argnums: int | tuple[int, ...] | None = None,
         logical_meshes: str = "all",
         stage_option: Any = None,
+        static_argnums: Any = "auto",
     ):
         alpa_default = method is None
         batch_mesh_axis = None
@@ -492,7 +588,13 @@ class ParallelizedStep:
         """a method object (or method=None) without batch_argnums: Alpa's default, the batch is argument 1 where the
         step has one, read softly (``named_batch``: leaves of another leading size go whole)"""
         self.remat = remat
-        self.fn = fn
+        self.user_fn = fn
+        self.static_argnums = check_static_argnums(static_argnums)
+        """Alpa's ``static_argnums``: "auto" (arguments holding a value that is not an array, a number or a bool: a
+        function, a string, an object) or the positions given; bound into the traced function (``StaticArgs``)"""
+        self._static: StaticArgs | None = None
+        """the static arguments of the call being served (and of the last one): what ``fn`` binds"""
+        self._static_depth = threading.local()
         self._cluster_given = cluster
         self._cluster: ClusterSpec | None = None  # without a cluster given: settled on first use (``cluster``)
         self._generation = -1
@@ -603,17 +705,63 @@ class ParallelizedStep:
         if own:
             self.current_plan = None
 
+    # ----- static arguments ------------------------------------------------------------
+    @property
+    def fn(self) -> Callable:
+        """The function traced: the user's, with the current call's static arguments bound into it."""
+        return self.user_fn if self._static is None else self._static.bind(self.user_fn)
+
+    def _bind_static(self, args: tuple) -> tuple:
+        """``args`` less their static arguments, which become the binding ``fn`` traces with."""
+        positions = static_positions(args, self.static_argnums)
+        if not positions:
+            self._static = None
+            return args
+        binding = StaticArgs(positions, tuple(args[i] for i in positions))
+        if self._static is None or self._static.key != binding.key:
+            self._static = binding
+        return binding.dynamic(args)
+
+    def _refuse_static_run(self, what: str) -> None:
+        """A run's steps take (state, batch) of arrays: a step whose calls bind static arguments cannot make them. (A
+        call of the step on Alpa's Ray session launches its run itself, inside the call: its binding holds there.)"""
+        if getattr(self._static_depth, "n", 0):
+            return
+        if self._static is not None or self.static_argnums not in ("auto", ()):
+            given = "" if self._static is None else f" (argument {', '.join(map(str, self._static.positions))} of its last call)"
+            raise ValueError(
+                f"{what} runs the step on (state, batch) of arrays, but this step takes static arguments{given}: close over "
+                "them (functools.partial(step_fn, ...)) and parallelize that to train it in a run, or call the step in a loop")
+
+    def _static_key(self) -> tuple:
+        return () if self._static is None else self._static.key
+
+    @contextlib.contextmanager
+    def _serving(self, args: tuple, passed_on: bool = False) -> Iterator[tuple]:
+        """Serve one call with the user's ``args``: the outermost binds their static arguments and yields the rest;
+        the step's own calls inside it (a plan tracing, a call compiling) take the arguments as they are, as do calls
+        with arguments already ``passed_on`` (the last call's, ``_last_args``: the binding stays)."""
+        depth = getattr(self._static_depth, "n", 0)
+        if depth == 0 and not passed_on:
+            args = self._bind_static(tuple(args))
+        self._static_depth.n = depth + 1
+        try:
+            yield tuple(args)
+        finally:
+            self._static_depth.n = depth
+
     # ----- tracing and planning ----------------------------------------------------------
     @property
     def pipelined(self) -> bool:
         return self.microbatches is not None
 
+    @_static_entry()
     def trace(self, *args: Any) -> OpGraph:
         """The op graph of ``fn(*args)`` (traced once per argument shapes and dtypes).
 
         A pipelined step is traced on one micro-batch, cut into layers (``auto_layers``).
         """
-        key = args_signature(args)
+        key = (args_signature(args), self._static_key())
         self._last_args = jax.tree_util.tree_map(leaf_aval, args)
         with self._cache_lock:
             graph, split = self._graphs.get(key), self._splits.get(key)
@@ -654,11 +802,23 @@ class ParallelizedStep:
     def _batch_argnums(self, args: tuple) -> tuple[int, ...] | None:
         """The batch arguments of a call with ``args``: those named, or with an Alpa method object and no
         ``batch_argnums`` Alpa's default ``(1,)`` (``train_step(state, batch)``) where the call has a second
-        argument (read softly: ``named_batch``); None: found from the shapes (``trace_microbatched``)."""
+        argument (read softly: ``named_batch``); None: found from the shapes (``trace_microbatched``). Positions
+        count the user's arguments; ``args`` are those passed on after the static ones (``StaticArgs``)."""
         if self._alpa_batch:
-            has_batch = len(args) >= 2 and any(np.ndim(x) >= 1 for x in jax.tree_util.tree_leaves(args[1]))
-            return (1,) if has_batch else None
-        return self.batch_argnums
+            pos = self._passed_position(1, len(args))
+            has_batch = pos is not None and pos < len(args) and any(np.ndim(x) >= 1 for x in jax.tree_util.tree_leaves(args[pos]))
+            return (pos,) if has_batch else None
+        if self.batch_argnums is None or self._static is None:
+            return self.batch_argnums
+        passed = tuple(p for p in (self._passed_position(n, len(args)) for n in self.batch_argnums) if p is not None)
+        return passed or None
+
+    def _passed_position(self, n: int, num_passed: int) -> int | None:
+        """Where the user's argument ``n`` (negative: from the end) is among those passed on; None: a static one."""
+        static = () if self._static is None else self._static.positions
+        if n < 0:
+            n += num_passed + len(static)
+        return None if n in static else n - sum(1 for p in static if p < n)
 
     def _named_split(self, args: tuple, graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int] | None:
         """A pipelined step's cut arguments as the program's vars where ``batch_argnums`` named them (None: the rule's,
@@ -667,7 +827,7 @@ class ParallelizedStep:
 
     def _split(self, *args: Any) -> tuple[bool, ...]:
         """Which flat arguments a pipelined step cuts into micro-batches (found when tracing)."""
-        key = args_signature(args)
+        key = (args_signature(args), self._static_key())
         while True:  # traced again if another thread's trace evicted these shapes meanwhile
             self.trace(*args)
             with self._cache_lock:
@@ -735,6 +895,7 @@ class ParallelizedStep:
 
         return stage_timer(split)
 
+    @_static_entry()
     def plan(self, *args: Any, pins: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None) -> Plan:
         """Trace with ``args`` (arrays or ShapeDtypeStructs) and plan; the plan becomes current. A step made with
         ``method=plan_to_method(plan)`` uses that plan instead (with ``pins`` it plans anew, on the plan's cluster
@@ -836,6 +997,7 @@ class ParallelizedStep:
                 self._forget_own_plans()
                 self._followed = None
 
+    @_static_entry(skip=1)
     def use(self, plan: Plan | PipelinePlan, *args: Any) -> Plan | PipelinePlan:
         """Make ``plan`` current (e.g. an edited or loaded one) after checking it fits.
 
@@ -916,6 +1078,7 @@ class ParallelizedStep:
         return self.current_plan
 
     # ----- running ---------------------------------------------------------------------
+    @_static_entry()
     def compiled(self, *args: Any) -> CompiledPlan | CompiledPipeline:
         """The current plan compiled for ``args`` (planned first if there is no plan yet)."""
         graph = self.trace(*args)
@@ -1029,6 +1192,7 @@ class ParallelizedStep:
                 self.current_plan = self.plan(*args)
         return graph
 
+    @_static_entry()
     def __call__(self, *args: Any) -> Any:
         self.cluster  # noqa: B018 - settles the cluster (and the session's Ray, if any) before the first call
         self._refollow()
@@ -1099,6 +1263,7 @@ class ParallelizedStep:
         from alpa_lab.runtime.ray_cluster import RayCluster
         from alpa_lab.runtime.ray_run import LaunchError, launch
 
+        self._refuse_static_run("step.launch")
         if backend != "ray":
             raise ValueError(
                 f"backend must be 'ray' (mesh workers on a Ray cluster), got {backend!r}; to run in this process, "
@@ -1161,6 +1326,7 @@ class ParallelizedStep:
         """
         from alpa_lab.runtime.training import TrainingRun
 
+        self._refuse_static_run("step.train")
         if self.current_plan is None:
             raise ValueError("this step has no plan yet: call step.plan(state, batch) first")
         if getattr(self.current_plan, "schedule", None) == INFERENCE:
@@ -1175,6 +1341,7 @@ class ParallelizedStep:
         _RUNS.add(run)  # alpa_lab.shutdown() stops it if it runs on the session's cluster
         return run
 
+    @_static_entry(skip=1)
     def recalibrate(self, profile: Any, *args: Any) -> Plan | PipelinePlan:
         """Plan again, from scratch, with the costs ``profile`` measured (``run.profile()``); the plan becomes current.
 
@@ -1209,11 +1376,13 @@ class ParallelizedStep:
         self.current_plan = new
         return new
 
+    @_static_entry()
     def compiled_hlo(self, *args: Any) -> str:
         """XLA's optimised HLO of the current plan (what XLA really runs); a pipeline's: every unit task's, each
         under a ``// stage s phase`` line."""
         return self.compiled(*args).lower_text(*jax.tree_util.tree_leaves(args))
 
+    @_static_entry()
     def get_executable(self, *args: Any) -> Executable:
         """Alpa's name: the current plan compiled for ``args``, whose ``get_hlo_text()`` is XLA's HLO."""
         self._refollow()
@@ -1221,6 +1390,7 @@ class ParallelizedStep:
         leaves, tree = jax.tree_util.tree_flatten(args)
         return Executable(self.compiled(*args), tuple(leaves), self, tree)
 
+    @_static_entry()
     def preshard_dynamic_args(self, *args: Any) -> tuple:
         """Alpa's name: ``args`` placed on the devices as the current single-mesh plan takes them."""
         return self.get_executable(*args).preshard_dynamic_args(*args)
@@ -1229,7 +1399,8 @@ class ParallelizedStep:
         """Alpa's name: ``get_executable`` for the arguments of the last call or plan."""
         if getattr(self, "_last_args", None) is None:
             raise ValueError("nothing was planned or run yet: call the step (or step.plan(...)) first, or use get_executable(*args)")
-        return self.get_executable(*self._last_args)
+        with self._serving(self._last_args, passed_on=True) as args:
+            return self.get_executable(*args)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1265,15 +1436,22 @@ class Executable:
         now is); ``args`` must have the shapes it was compiled for."""
         if self.step is None:
             raise ValueError("this executable does not know its step: get it with step.get_executable(*args)")
-        graph = self.step.trace(*args)
-        self.plan.check_program(graph)  # other shapes are another program: say so, run nothing
-        return self.step._run(self.compiled, graph, args)
+        with self.step._serving(args) as args:
+            graph = self.step.trace(*args)
+            self.plan.check_program(graph)  # other shapes are another program: say so, run nothing
+            return self.step._run(self.compiled, graph, args)
 
     def preshard_dynamic_args(self, *args: Any) -> Any:
         """``args`` placed on the devices as the single-mesh program takes them (Alpa's name): a call with them
         copies nothing first."""
         if isinstance(self.compiled, CompiledPipeline):
             raise ValueError("a pipeline's arguments are placed per stage and micro-batch each step; pass them as they are")
+        if self.step is not None:  # the static arguments (a function, a flag) are not the program's
+            with self.step._serving(args) as args:
+                return self._preshard(args)
+        return self._preshard(args)
+
+    def _preshard(self, args: tuple) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
         if len(leaves) != len(self.compiled.in_shardings):
             raise ValueError(
@@ -1905,13 +2083,12 @@ def parallelize(
     ``stage_option``: the stages given instead of searched (``ManualStageOption`` / ``UniformStageOption``).
     ``method`` may also be one of Alpa's method objects (``ShardParallel()``, ``PipeshardParallel(...)``,
     ``DataParallel()``, ...: ``parallel_method``), which set the options above they mean; ``None`` is "alpa".
-    ``static_argnums`` and ``donate_argnums`` are Alpa's: static arguments are not supported (close over
-    them); donation is accepted and not done (the results are the same; the old state's buffers are kept).
+    ``static_argnums`` and ``donate_argnums`` are Alpa's: static arguments (by default "auto": a function such as
+    ``model.apply``, a string, an object; or the positions given, e.g. a flag the step branches on) are bound into
+    the traced function, and a call with other values plans anew (``StaticArgs``); donation is accepted and not done
+    (the results are the same; the old state's buffers are kept).
     """
-    if static_argnums not in ("auto", None) and tuple(np.atleast_1d(static_argnums)):
-        raise ValueError(
-            f"static_argnums={static_argnums!r} is not supported: close over Python values (functools.partial) or pass "
-            "them inside the loss function, and give the step only arrays")
+    check_static_argnums(static_argnums)  # fail at the decorator, not at the first call
 
     def wrap(f: Callable) -> ParallelizedStep | StateCreator:
         if isinstance(method, CreateStateParallel):
@@ -1940,6 +2117,7 @@ def parallelize(
             batch_argnums=batch_argnums,
             logical_meshes=logical_meshes,
             stage_option=stage_option,
+            static_argnums=static_argnums,
         )
 
     return wrap(fn) if fn is not None else wrap

@@ -107,8 +107,8 @@ def _under_autodiff(label: str) -> bool:
 
 
 def static_hint(exc: BaseException | None, args: tuple) -> str:
-    """What to do when the step branched in Python on an argument that is a Python value (Alpa's automatic
-    ``static_argnums``): every argument is traced as an array here."""
+    """What to do when the step branched in Python on an argument that is a Python value: numbers and bools are
+    traced as arrays unless ``static_argnums`` names them (Alpa's "auto" would make them static)."""
     for _ in range(8):  # the JAX error may sit under our own wrappers (a pipelined step's micro-batch trace)
         if exc is None or isinstance(exc, jax.errors.ConcretizationTypeError):
             break
@@ -118,9 +118,11 @@ def static_hint(exc: BaseException | None, args: tuple) -> str:
     plain = [f"argument {i} ({a!r})" for i, a in enumerate(args) if isinstance(a, (bool, int, float, str))]
     if not plain:
         return ""
+    positions = ", ".join(str(i) for i, a in enumerate(args) if isinstance(a, (bool, int, float, str)))
     return (
-        f"\n{', '.join(plain)} is a Python value, traced as an array: static arguments are not supported; close "
-        "over it (functools.partial(step, flag=...)) and pass the step only arrays"
+        f"\n{', '.join(plain)} is a Python value, traced as an array: make it static with "
+        f"parallelize(..., static_argnums=({positions},)) (each new value plans anew), or close over it "
+        "(functools.partial(step, flag=...))"
     )
 
 
@@ -390,11 +392,28 @@ def param_signature(params: dict) -> str:
 
 
 def _with_fingerprint(graph: OpGraph) -> OpGraph:
-    """Hash of the program's structure: ops, wiring, shapes and defining parameters."""
+    """Hash of the program: ops, wiring, shapes, defining parameters, and the values of its literals and constants
+    (a step traced with other static arguments, ``api.StaticArgs``, may differ in those alone, and its compiled
+    program must not be taken for the other's)."""
     h = hashlib.sha256()
     for v in graph.vars:
         h.update(f"{v.id}:{v.shape}:{v.dtype}:{v.kind};".encode())
     for op in graph.ops:
         h.update(f"{op.name}:{op.inputs}:{op.outputs}:{op.signature or param_signature(op.params)};".encode())
     h.update(f"{graph.invars}->{graph.outvars}".encode())
+    for vid in sorted(graph.literals):
+        h.update(f"{vid}={_value_digest(graph.literals[vid])};".encode())
+    for vid in sorted(graph.consts):
+        h.update(f"{vid}={_value_digest(graph.consts[vid])};".encode())
     return dataclasses.replace(graph, fingerprint=h.hexdigest()[:16])
+
+
+def _value_digest(value: Any) -> str:
+    """A literal's or constant's value as hashed text: its bytes where it has a NumPy form, else its type."""
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - a tracer or a typed key: no concrete value to hash
+        return f"<{type(value).__name__}>"
+    if arr.dtype == object:
+        return f"<{type(value).__name__}>"
+    return f"{arr.dtype}{arr.shape}:{hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()[:16]}"
