@@ -115,3 +115,23 @@ def test_runs_refuse_a_step_with_static_arguments():
         step.train(params, [batch], steps=2)
     with pytest.raises(ValueError, match="static_argnums must be 'auto' or argument positions"):
         al.parallelize(train_step, static_argnums=(-1,))
+
+
+def test_a_programs_fingerprint_holds_its_literal_values_not_their_python_types():
+    """Two traces differing only in a bound value (3.0 against 2.0) are two programs; a weakly typed Python int
+    argument against an int32 array (a TrainState's step before and after a step) is one program (its literal 1
+    comes as a Python int or a 0-d array)."""
+    from alpa_lab.graph.trace import trace
+
+    def scaled(x, scale):
+        return x * scale
+
+    x = np.ones((4, 4), np.float32)
+    fingerprints = {s: trace(functools.partial(scaled, scale=s), x).fingerprint for s in (2.0, 3.0)}
+    assert fingerprints[2.0] != fingerprints[3.0]
+    assert trace(functools.partial(scaled, scale=2.0), x).fingerprint == fingerprints[2.0]
+
+    def count(step, x):
+        return step + 1, x * 2
+
+    assert trace(count, 0, x).fingerprint == trace(count, np.int32(0), x).fingerprint

@@ -402,16 +402,18 @@ def _with_fingerprint(graph: OpGraph) -> OpGraph:
         h.update(f"{op.name}:{op.inputs}:{op.outputs}:{op.signature or param_signature(op.params)};".encode())
     h.update(f"{graph.invars}->{graph.outvars}".encode())
     for vid in sorted(graph.literals):
-        h.update(f"{vid}={_value_digest(graph.literals[vid])};".encode())
+        h.update(f"{vid}={_value_digest(graph.literals[vid], graph.vars[vid].dtype)};".encode())
     for vid in sorted(graph.consts):
-        h.update(f"{vid}={_value_digest(graph.consts[vid])};".encode())
+        h.update(f"{vid}={_value_digest(graph.consts[vid], graph.vars[vid].dtype)};".encode())
     return dataclasses.replace(graph, fingerprint=h.hexdigest()[:16])
 
 
-def _value_digest(value: Any) -> str:
-    """A literal's or constant's value as hashed text: its bytes where it has a NumPy form, else its type."""
+def _value_digest(value: Any, dtype: str) -> str:
+    """A literal's or constant's value as hashed text: its bytes in the var's dtype where it has a NumPy form (a
+    literal 1 may come as a Python int or a 0-d array, as the argument it meets is weakly typed or not: one value),
+    else its type."""
     try:
-        arr = np.asarray(value)
+        arr = np.asarray(value, dtype=np.dtype(dtype))
     except Exception:  # noqa: BLE001 - a tracer or a typed key: no concrete value to hash
         return f"<{type(value).__name__}>"
     if arr.dtype == object:
