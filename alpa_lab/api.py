@@ -415,10 +415,6 @@ class StaticArgs:
 
         return functools.wraps(fn)(bound)
 
-    def user_index(self, dynamic_index: int) -> int:
-        """The position in the user's call of the ``dynamic_index``-th argument passed on."""
-        return [i for i in range(dynamic_index + len(self.positions) + 1) if i not in self.positions][dynamic_index]
-
 
 def check_static_argnums(static_argnums: Any) -> str | tuple[int, ...]:
     """Alpa's ``static_argnums``: "auto", None / () (none), or argument positions (an int or a sequence)."""
@@ -582,7 +578,7 @@ class ParallelizedStep:
         self.stage_option = stage_option
         self.stage_input_shardings = stage_inputs
         """Alpa's ``PipeshardParallel(stage_input_shardings=...)``: each stage's inputs pinned to these specs once the
-        stages are chosen (``_pin_stage_inputs``); None: planned"""
+        stages are chosen (``_stage_input_pins``); None: planned"""
         self.batch_argnums = check_batch_argnums(batch_argnums)
         self._alpa_batch = (alpa_default or self.parallel_method is not None) and self.batch_argnums is None
         """a method object (or method=None) without batch_argnums: Alpa's default, the batch is argument 1 where the
@@ -590,8 +586,9 @@ class ParallelizedStep:
         self.remat = remat
         self.user_fn = fn
         self.static_argnums = check_static_argnums(static_argnums)
-        """Alpa's ``static_argnums``: "auto" (arguments holding a value that is not an array, a number or a bool: a
-        function, a string, an object) or the positions given; bound into the traced function (``StaticArgs``)"""
+        """Alpa's ``static_argnums``: "auto" (arguments holding only values that are not arrays, numbers or bools: a
+        function, a string, an object; ``static_positions``) or the positions given; bound into the traced function
+        (``StaticArgs``)"""
         self._static: StaticArgs | None = None
         """the static arguments of the call being served (and of the last one): what ``fn`` binds"""
         self._static_depth = threading.local()
@@ -604,10 +601,10 @@ class ParallelizedStep:
         self.mesh_shape = mesh_shape
         self.method = method
         self.batch_mesh_axis: int | None = batch_mesh_axis
+        """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): the plan's mesh, or every stage's"""
         self.forbidden_collectives: tuple[str, ...] = forbidden
         """collective kinds the plan may not issue (a method object's ``AutoShardingOption(allow_all_gather=False,
         allow_all_to_all=False)``): every mesh the step is planned on prices them infinitely (``LogicalMesh.forbidden``)"""
-        """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): the plan's mesh, or every stage's"""
         self.memory_budget = memory_budget
         self.current_plan: Plan | PipelinePlan | None = None
         self._graphs: dict[Any, OpGraph] = {}
