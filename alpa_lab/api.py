@@ -589,9 +589,10 @@ class ParallelizedStep:
         """Alpa's ``static_argnums``: "auto" (arguments holding only values that are not arrays, numbers or bools: a
         function, a string, an object; ``static_positions``) or the positions given; bound into the traced function
         (``StaticArgs``)"""
-        self._static: StaticArgs | None = None
-        """the static arguments of the call being served (and of the last one): what ``fn`` binds"""
-        self._static_depth = threading.local()
+        self._calls = threading.local()
+        """per thread: ``static``, the static arguments of the call being served there (and of its last one), what
+        ``fn`` binds; ``depth``, how deep in the step's own methods that call is (``_serving``). Per thread, so a
+        training run's thread (arrays only) never changes what a call in the notebook's thread binds."""
         self._cluster_given = cluster
         self._cluster: ClusterSpec | None = None  # without a cluster given: settled on first use (``cluster``)
         self._generation = -1
@@ -704,6 +705,14 @@ class ParallelizedStep:
 
     # ----- static arguments ------------------------------------------------------------
     @property
+    def _static(self) -> StaticArgs | None:
+        return getattr(self._calls, "static", None)
+
+    @_static.setter
+    def _static(self, binding: StaticArgs | None) -> None:
+        self._calls.static = binding
+
+    @property
     def fn(self) -> Callable:
         """The function traced: the user's, with the current call's static arguments bound into it."""
         return self.user_fn if self._static is None else self._static.bind(self.user_fn)
@@ -722,7 +731,7 @@ class ParallelizedStep:
     def _refuse_static_run(self, what: str) -> None:
         """A run's steps take (state, batch) of arrays: a step whose calls bind static arguments cannot make them. (A
         call of the step on Alpa's Ray session launches its run itself, inside the call: its binding holds there.)"""
-        if getattr(self._static_depth, "n", 0):
+        if getattr(self._calls, "depth", 0):
             return
         if self._static is not None or self.static_argnums not in ("auto", ()):
             given = "" if self._static is None else f" (argument {', '.join(map(str, self._static.positions))} of its last call)"
@@ -738,14 +747,14 @@ class ParallelizedStep:
         """Serve one call with the user's ``args``: the outermost binds their static arguments and yields the rest;
         the step's own calls inside it (a plan tracing, a call compiling) take the arguments as they are, as do calls
         with arguments already ``passed_on`` (the last call's, ``_last_args``: the binding stays)."""
-        depth = getattr(self._static_depth, "n", 0)
+        depth = getattr(self._calls, "depth", 0)
         if depth == 0 and not passed_on:
             args = self._bind_static(tuple(args))
-        self._static_depth.n = depth + 1
+        self._calls.depth = depth + 1
         try:
             yield tuple(args)
         finally:
-            self._static_depth.n = depth
+            self._calls.depth = depth
 
     # ----- tracing and planning ----------------------------------------------------------
     @property
@@ -1247,8 +1256,10 @@ class ParallelizedStep:
         fetch of the state) may take before the run is closed with a ``MeshWorkerError`` naming the
         workers still busy; the first step, which compiles the programs on the workers, is not timed.
         """
-        run = self._launch(cluster, state, *example, backend=backend, address=address, keep_state_every=keep_state_every,
-                           step_timeout=step_timeout)
+        self._refuse_static_run("step.launch")
+        with self._serving((), passed_on=True):  # the run's (state, example) are the program's arguments, all of them
+            run = self._launch(cluster, state, *example, backend=backend, address=address,
+                               keep_state_every=keep_state_every, step_timeout=step_timeout)
         _RUNS.add(run)  # alpa_lab.shutdown() closes it if it runs on the session's cluster
         return run
 
@@ -1260,7 +1271,6 @@ class ParallelizedStep:
         from alpa_lab.runtime.ray_cluster import RayCluster
         from alpa_lab.runtime.ray_run import LaunchError, launch
 
-        self._refuse_static_run("step.launch")
         if backend != "ray":
             raise ValueError(
                 f"backend must be 'ray' (mesh workers on a Ray cluster), got {backend!r}; to run in this process, "
@@ -1323,7 +1333,7 @@ class ParallelizedStep:
         """
         from alpa_lab.runtime.training import TrainingRun
 
-        self._refuse_static_run("step.train")
+        self._refuse_static_run("a training run")  # before its first batch is traced (the run checks it too)
         if self.current_plan is None:
             raise ValueError("this step has no plan yet: call step.plan(state, batch) first")
         if getattr(self.current_plan, "schedule", None) == INFERENCE:

@@ -111,7 +111,8 @@ def test_runs_refuse_a_step_with_static_arguments():
 
     step = al.parallelize(train_step, cluster=CLUSTER)
     step(params, batch, model.apply)
-    with pytest.raises(ValueError, match=r"takes static arguments \(argument 2 of its last call\): close over them"):
+    with pytest.raises(ValueError, match=r"a training run runs the step on \(state, batch\) of arrays, but this step takes "
+                                         r"static arguments \(argument 2 of its last call\): close over them"):
         step.train(params, [batch], steps=2)
     with pytest.raises(ValueError, match="static_argnums must be 'auto' or argument positions"):
         al.parallelize(train_step, static_argnums=(-1,))

@@ -93,7 +93,8 @@ def step_flops(step: Any, state: Any, batch: tuple, plan: Any = None) -> float:
     from alpa_lab.plan import PipelinePlan
 
     plan = step.current_plan if plan is None else plan
-    graph = step.trace(state, *batch)
+    with step._serving((state, *batch), passed_on=True) as args:  # a run's arguments: the program's, all of them
+        graph = step.trace(*args)
     if isinstance(plan, PipelinePlan) and plan.problem is not None:
         from alpa_lab.passes.stages import APPLY
 
@@ -132,6 +133,7 @@ class TrainingRun:
         """``update(result)`` gives the next state (default: the result's first element)."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive number of steps, got {steps!r}")
+        step._refuse_static_run("a training run")  # its steps take (state, batch) of arrays only
         if step.current_plan is None:
             raise ValueError("the step has no plan yet: call step.plan(state, batch) first")
         self.step = step
@@ -242,8 +244,9 @@ class TrainingRun:
     def _compile(self, args: tuple) -> tuple[Any, Any, Any]:
         """The launch plan's compiled program, its traced graph and argument signature, for the whole run."""
         self._check_plan()
-        graph = self.step.trace(*args)
-        compiled = self.step.compiled(*args)
+        with self.step._serving(args, passed_on=True):  # a run's arguments: the program's, all of them (no static ones)
+            graph = self.step.trace(*args)
+            compiled = self.step.compiled(*args)
         if compiled.plan is not self.plan:
             if compiled.plan != self.plan:
                 raise RuntimeError(self._changed())
