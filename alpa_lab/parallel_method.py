@@ -497,6 +497,8 @@ def _stage_input_shardings(given: Any) -> tuple[tuple[str, ...], ...]:
     """Alpa's ``stage_input_shardings``: per stage, the sharding spec of each of its inputs in order (what an
     executable's ``stage_input_shard_specs`` gives), as spec strings; checked against the stages once planned."""
     try:
+        if isinstance(given, str) or any(isinstance(stage, str) for stage in given):
+            raise TypeError  # a spec where a stage's list belongs
         return tuple(tuple(str(spec) for spec in stage) for stage in given)
     except TypeError:
         raise MethodOptionError(

@@ -296,7 +296,8 @@ def test_stage_input_shardings_plan_another_batch_size_with_the_same_input_layou
         executable(8, stage_input_shardings=specs[:1])
     with pytest.raises(al.MethodOptionError, match=r"stage_input_shardings\[1\] gives 2 specs but stage 1 has 5 inputs"):
         executable(8, stage_input_shardings=[specs[0], specs[1][:2]])
-    with pytest.raises(al.MethodOptionError, match="one list of sharding specs per stage"):
-        al.PipeshardParallel(stage_input_shardings=3).options()
+    for bad in (3, ["RR", "RR"]):  # not a list per stage
+        with pytest.raises(al.MethodOptionError, match="one list of sharding specs per stage"):
+            al.PipeshardParallel(stage_input_shardings=bad).options()
     with pytest.raises(ValueError, match="a single-mesh plan has no stages"):
         al.parallelize(infer_fn, method=al.ShardParallel()).get_executable(weights, {"x": x}).stage_input_shard_specs
