@@ -323,7 +323,7 @@ def test_a_step_called_with_many_shapes_keeps_a_bounded_number_of_them(example):
             step(*make_mlp(dataclasses.replace(CFG, batch=batch)).args)
         assert len(step._graphs) == len(step._compiled) == TRACES_KEPT and len(step._own_plans) == TRACES_KEPT
         assert len(step._splits) <= TRACES_KEPT and len(step._problems) <= TRACES_KEPT
-        oldest = args_signature(first.args)
+        oldest = (args_signature(first.args), ())  # the traces' key: shapes, and no static arguments
         assert oldest not in step._graphs  # the least recently used shapes went first
         _, loss = step(*first.args)  # and come back: traced, planned and compiled again
         assert oldest in step._graphs and len(step._graphs) == TRACES_KEPT
