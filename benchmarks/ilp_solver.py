@@ -6,6 +6,10 @@ seconds; and, as the same-run baseline, the same graph with ``reduce=False`` (th
 eq. 1 ILP), skipped once a smaller graph took longer than the baseline limit.
 
     python benchmarks/ilp_solver.py [--sizes 100 500 1000 2000 4000] [--strategies 16]
+
+``--mirrored 40 60 80`` instead times ``synthetic_mirrored_graph`` (a sub-mesh whose two axes cost alike: a
+loose LP bound, so CBC branches) with CBC branching on each node's strategy set (``BRANCH_ON_SETS``), against
+one variable at a time, its default, in the same run.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from alpa_lab.passes.ilp import CostGraph, ILPSolution, solve, synthetic_gpt_graph
+from alpa_lab.passes import ilp
+from alpa_lab.passes.ilp import CostGraph, ILPSolution, solve, synthetic_gpt_graph, synthetic_mirrored_graph
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=120.0, help="CBC limit with reductions")
     parser.add_argument("--baseline-limit", type=float, default=60.0, help="CBC limit for reduce=False")
+    parser.add_argument("--mirrored", type=int, nargs="*", default=None, help="node counts of mirror-symmetric graphs")
+    parser.add_argument("--seeds", type=int, default=3, help="graphs per --mirrored size")
+    parser.add_argument("--pairs", type=int, default=6, help="most mirror pairs of strategies per node (--mirrored)")
     args = parser.parse_args()
+    if args.mirrored is not None:
+        return mirrored(args)
 
     header = (
         f"{'nodes':>6} {'edges':>6} {'left':>5} {'vars':>8} {'build s':>8} {'solve s':>8} {'total s':>8} "
@@ -82,6 +92,32 @@ def main() -> None:
         else:
             row += f"{'skipped: a smaller graph took > ' + str(int(args.baseline_limit)) + ' s':>36}"
         print(row, flush=True)
+
+
+def mirrored(args: argparse.Namespace) -> None:
+    """Set branching against variable branching on loose ILPs: per size, the median over seeds of each one's seconds."""
+    print(f"mirror-symmetric graphs (degree 4, 2-{2 * args.pairs} strategies per node), {args.seeds} seeds per size, "
+          f"CBC limit {args.time_limit:.0f} s")
+    print(f"{'nodes':>6} {'left':>5} {'sets s':>8} {'variables s':>12} {'ratio':>6}  statuses")
+    for size in args.mirrored or [40, 60, 80]:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        statuses, left = [], []
+        for seed in range(args.seeds):
+            graph = synthetic_mirrored_graph(size, seed=seed, max_pairs=args.pairs)
+            found = {}
+            for sets in (True, False):
+                ilp.BRANCH_ON_SETS = sets
+                t0 = time.perf_counter()
+                found[sets] = solve(graph, time_limit=args.time_limit)
+                times[sets].append(time.perf_counter() - t0)
+                statuses.append(found[sets].status)
+            ilp.BRANCH_ON_SETS = True
+            left.append(graph.num_nodes - found[True].reduced_nodes)
+            if all(f.status == "optimal" for f in found.values()):
+                assert abs(found[True].objective - found[False].objective) <= 1e-9 * abs(found[False].objective), (size, seed)
+        a, b = statistics.median(times[True]), statistics.median(times[False])
+        shown = ",".join(sorted(set(statuses)))
+        print(f"{size:>6} {statistics.median(left):>5.0f} {a:>8.2f} {b:>12.2f} {b / a:>6.2f}  {shown}", flush=True)
 
 
 if __name__ == "__main__":
