@@ -138,7 +138,8 @@ def solve(
         budget = memory_budget
         for _attempt in range(3):
             model = _build_model(work, core, budget)
-            fallback = functools.partial(_incumbent, work, core, budget)
+            # run once: asked for by _run_cbc when CBC has no plan, and by the comparison below after a time limit
+            fallback = functools.cache(functools.partial(_incumbent, work, core, budget))
             core_choice, status, solve_seconds_i = _run_cbc(model, fallback, time_limit, graph)
             if status == "time_limit":  # CBC's best so far, or the fallback's plan where that is cheaper
                 core_choice = _cheaper(graph, work, core_choice, fallback(), budget)
@@ -713,14 +714,13 @@ def _run_cbc(
     # 100-node mirror-symmetric graph, ``synthetic_mirrored_graph``). So past the limit it is a time-limited run:
     # its values are read if they choose a strategy for every node, and ``solve`` keeps the cheaper of them and
     # the fallback's.
-    out_of_time = time.perf_counter() - t0 >= time_limit
-    if out_of_time:
-        header = "Stopped on time (CBC ran to its limit): objective value unknown"
+    if time.perf_counter() - t0 >= time_limit:
+        status = "time_limit"
     elif header.startswith(("Infeasible", "Integer infeasible")):
         raise InfeasibleError(
             "no choice satisfies the memory budget and the finite-cost pairs together", model.nodes
         )
-    if header.startswith("Optimal"):
+    elif header.startswith("Optimal"):
         status = "optimal"
     elif header.startswith("Stopped") and "objective value" in header and "no integer" not in header:
         status = "time_limit"
