@@ -16,13 +16,13 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
 
 from alpa_lab._gc import quiet_gc
-from alpa_lab.cost.cluster import ClusterSpec
+from alpa_lab.cost.cluster import ClusterError, ClusterSpec
 from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
@@ -39,6 +39,9 @@ from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.runtime.apply import CompiledPlan, call_compiled, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
+
+if TYPE_CHECKING:
+    from alpa_lab.runtime.ray_cluster import RayCluster
 
 COST_MODELS = ("analytic", "profile")
 """``analytic``: FLOPs, bytes and link speeds (``ClusterSpec``); ``profile``: each planned stage compiled and
@@ -476,7 +479,7 @@ class ParallelizedStep:
     def __init__(
         self,
         fn: Callable,
-        cluster: ClusterSpec | None = None,
+        cluster: ClusterSpec | str | RayCluster | None = None,
         *,
         mesh_shape: tuple[int, int] | None = None,
         method: str | ParallelMethod = "alpa",
@@ -497,7 +500,7 @@ class ParallelizedStep:
         batch_mesh_axis = None
         forbidden: tuple[str, ...] = ()
         stage_inputs: tuple[tuple[str, ...], ...] | None = None
-        runs_on = None
+        cluster, runs_on = cluster_argument(cluster)
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
         self.parallel_method = method if isinstance(method, ParallelMethod) else None
         if isinstance(method, ParallelMethod):  # Alpa's method objects: the options they mean (parallel_method)
@@ -2052,10 +2055,27 @@ def microbatch_args(fn: Callable, args: tuple, num_microbatches: int) -> tuple[t
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro), split
 
 
+def cluster_argument(cluster: Any) -> tuple[ClusterSpec | None, Any]:
+    """(the ClusterSpec to plan for, the Ray cluster to run on or None) of ``parallelize``'s ``cluster=``: a
+    ``ClusterSpec``, the text the command line takes (``"local:2x4"``, ``"p3.16xlarge:2"``: ``ClusterSpec.parse``),
+    or a ``RayCluster`` (planned for its devices, run on its mesh workers, as ``step.on_ray(cluster)``)."""
+    if cluster is None or isinstance(cluster, ClusterSpec):
+        return cluster, None
+    if isinstance(cluster, str):
+        return ClusterSpec.parse(cluster), None
+    from alpa_lab.runtime.ray_cluster import RayCluster
+
+    if isinstance(cluster, RayCluster):
+        return cluster.spec, cluster
+    raise ClusterError(
+        f"cluster= takes a ClusterSpec (al.ClusterSpec.local(2, 4)), a text such as 'local:2x4' or 'p3.16xlarge:2', or a "
+        f"RayCluster; got {type(cluster).__name__} {cluster!r}")
+
+
 def parallelize(
     fn: Callable | None = None,
     *,
-    cluster: ClusterSpec | None = None,
+    cluster: ClusterSpec | str | RayCluster | None = None,
     mesh_shape: tuple[int, int] | None = None,
     method: str | ParallelMethod = "alpa",
     memory_budget: float | None = None,
@@ -2073,6 +2093,10 @@ def parallelize(
     donate_argnums: Any = "auto",
 ) -> ParallelizedStep | Callable[[Callable], ParallelizedStep]:
     """Wrap a training step for planning and sharded execution (usable as a decorator).
+
+    ``cluster``: what to plan for: a ``ClusterSpec``, its text (``"local:2x4"``, ``"p3.16xlarge:2"``, as
+    ``alpa-lab demo --cluster`` takes it), or a ``RayCluster``, whose mesh workers then run the calls
+    (``step.on_ray``); by default this process's devices, or the session's (``init``).
 
     With ``microbatches`` the step is pipelined: cut into ``layers`` layers (default 8, or
     the hand-placed ``mark_stage_boundary`` cuts), sliced into stages on sub-meshes by the

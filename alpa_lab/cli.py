@@ -10,19 +10,11 @@ import alpa_lab as al  # sets up simulated CPU devices before JAX loads
 
 
 def parse_cluster(text: str) -> al.ClusterSpec:
-    """``local:HxD`` (simulated devices), ``gpu:HxD`` (this machine's GPUs, with their calibration if saved)
-    or ``PRESET:HOSTS`` (e.g. ``p3.16xlarge:8``)."""
-    kind, _, size = text.partition(":")
+    """``--cluster``'s value (``ClusterSpec.parse``); a bad one ends the command with what to write."""
     try:
-        if kind in ("local", "gpu"):
-            hosts, devices = (int(x) for x in (size or "1x4").lower().split("x"))
-            return al.ClusterSpec.local(hosts, devices, platform="cpu" if kind == "local" else "gpu")
-        return al.ClusterSpec.preset(kind, hosts=int(size or 1))
-    except ValueError as exc:
-        raise SystemExit(
-            f"bad --cluster {text!r}: use local:HOSTSxDEVICES (e.g. local:1x4), gpu:HOSTSxDEVICES (e.g. gpu:1x8) or "
-            f"PRESET:HOSTS with a preset from {', '.join(sorted(al.PRESETS))} ({exc})"
-        ) from None
+        return al.ClusterSpec.parse(text)
+    except al.ClusterError as exc:
+        raise SystemExit(f"bad --cluster {text!r}: {exc}") from None
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -333,3 +333,19 @@ def test_logical_mesh_rejects_repeated_or_unknown_devices():
         cluster.logical_mesh((2, 2), devices=(0, 0, 1, 1))
     with pytest.raises(ClusterError, match="must be distinct device ids"):
         cluster.logical_mesh((1, 2), devices=(3, 4))
+
+
+def test_a_cluster_is_named_by_the_text_the_command_line_takes():
+    """``ClusterSpec.parse``: what ``alpa-lab demo --cluster`` and ``%%parallelize --cluster`` read, and what
+    ``parallelize(cluster="local:2x4")`` takes; a text it cannot read says what to write."""
+    assert ClusterSpec.parse("local:2x4") == ClusterSpec.local(2, 4)
+    assert ClusterSpec.parse("local") == ClusterSpec.local(1, 4)
+    assert ClusterSpec.parse(" P3.16xlarge:2 ") == ClusterSpec.preset("p3.16xlarge", hosts=2)
+    assert ClusterSpec.parse("dgx-h100") == ClusterSpec.preset("dgx-h100")
+    for bad, why in (("local:2x", "cannot read"), ("local:0x4", "at least one host"), ("p3.16xlarge:two", "cannot read"),
+                     ("tpu:4", "unknown cluster 'tpu:4'"), ("", "unknown cluster")):
+        with pytest.raises(ClusterError, match=why) as info:
+            ClusterSpec.parse(bad)
+        assert "local:HOSTSxDEVICES" in str(info.value)
+    with pytest.raises(ClusterError, match="must be a string"):
+        ClusterSpec.parse(8)

@@ -224,6 +224,22 @@ def test_corrupt_and_foreign_plan_json(step_and_plan, tmp_path, example):
     assert step.current_plan is plan
 
 
+def test_a_cluster_given_as_text_plans_as_its_spec(example):
+    """``cluster="local:1x4"`` (the text ``alpa-lab demo --cluster`` and ``%%parallelize`` take) plans as
+    ``ClusterSpec.local(1, 4)``, pipelined too; anything else that is not a cluster is refused by name."""
+    by_text = al.parallelize(example.train_step, cluster="local:1x4").plan(*example.args)
+    by_spec = al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4)).plan(*example.args)
+    assert by_text.cluster == by_spec.cluster and by_text.mesh_shape == by_spec.mesh_shape
+    assert [(o.name, o.strategy) for o in by_text.ops] == [(o.name, o.strategy) for o in by_spec.ops]
+    piped = al.parallelize(example.train_step, cluster="local:2x4", microbatches=2, layers=2).plan(*example.args)
+    assert (piped.cluster["hosts"], piped.cluster["devices_per_host"]) == (2, 4)
+    assert al.parallelize(example.train_step, cluster="p3.16xlarge:2").plan(*example.args).cluster["name"] == "p3.16xlarge:2"
+    with pytest.raises(al.ClusterError, match="unknown cluster 'tpu:8'.*local:HOSTSxDEVICES"):
+        al.parallelize(example.train_step, cluster="tpu:8")
+    with pytest.raises(al.ClusterError, match="cluster= takes a ClusterSpec .* got int 8"):
+        al.parallelize(example.train_step, cluster=8)
+
+
 def test_bad_cluster_and_mesh_are_clear(example):
     with pytest.raises(al.ClusterError, match="does not hold 4 devices"):
         al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), mesh_shape=(3, 2))

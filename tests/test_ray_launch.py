@@ -132,6 +132,16 @@ def test_a_plan_launched_at_an_address_joins_that_ray_and_leaves_it_running(plan
                 assert run.cluster is mine and not run.owns_cluster
         finally:
             step.on_ray(None)
+        # the Ray cluster as parallelize's cluster=: planned for its devices, each call run on its mesh workers
+        given = al.parallelize(ex.train_step, cluster=mine, microbatches=4, layers=4)
+        try:
+            assert given.ray_cluster is mine
+            _, loss = given(ex.state, ex.batch)
+            assert given.ray_run is not None and given.ray_run.cluster is mine
+            assert (given.current_plan.cluster["hosts"], given.current_plan.cluster["devices_per_host"]) == (1, 8)
+            assert float(loss) == pytest.approx(losses[0], rel=1e-4)
+        finally:
+            given.on_ray(None)
         assert ray.is_initialized()
     assert not wait_for_no_ray_processes()
 

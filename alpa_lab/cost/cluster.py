@@ -200,6 +200,29 @@ class ClusterSpec:
         return result.apply(cls.local(hosts, devices_per_host, calibrated=False, platform=result.platform))
 
     @classmethod
+    def parse(cls, text: str) -> ClusterSpec:
+        """The cluster a short text names, as the command line and ``%%parallelize --cluster`` write it:
+        ``local:HxD`` (simulated devices here, with their calibration if saved), ``gpu:HxD`` (this machine's
+        GPUs) or ``PRESET[:HOSTS]`` (``p3.16xlarge:2``: two of that machine type). ``local`` alone is 1x4."""
+        if not isinstance(text, str):
+            raise ClusterError(f"a cluster text must be a string such as 'local:2x4', got {type(text).__name__} {text!r}")
+        kind, _, size = text.strip().partition(":")
+        kind = kind.lower()
+        try:
+            if kind in ("local", "gpu"):
+                hosts, devices = (int(x) for x in (size or "1x4").lower().split("x"))
+                return cls.local(hosts, devices, platform="cpu" if kind == "local" else "gpu")
+            if kind in PRESETS:
+                return cls.preset(kind, hosts=int(size or 1))
+        except ValueError as exc:  # ClusterError too: a count the constructors refuse
+            raise ClusterError(
+                f"cannot read the cluster {text!r} ({exc}): write local:HOSTSxDEVICES (e.g. local:2x4), gpu:HOSTSxDEVICES "
+                f"(e.g. gpu:1x8) or PRESET:HOSTS (e.g. p3.16xlarge:2)") from None
+        raise ClusterError(
+            f"unknown cluster {text!r}: write local:HOSTSxDEVICES (e.g. local:2x4), gpu:HOSTSxDEVICES (e.g. gpu:1x8) or "
+            f"PRESET:HOSTS with a preset from {', '.join(sorted(PRESETS))} (e.g. p3.16xlarge:2)")
+
+    @classmethod
     def preset(cls, name: str, hosts: int = 1) -> ClusterSpec:
         """A real machine type, ``hosts`` of them (e.g. ``preset("p3.16xlarge", hosts=8)``)."""
         if name not in PRESETS:

@@ -22,7 +22,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from tqdm.auto import tqdm
 
 import alpa_lab as al
-from alpa_lab.cli import parse_cluster
 from alpa_lab.graph.trace import TraceError
 from alpa_lab.passes.schedule import SCHEDULES
 
@@ -238,9 +237,9 @@ class ParallelizeMagics(Magics):
         if text is None:
             return al.ClusterSpec.default()
         try:
-            return parse_cluster(text)
-        except SystemExit as err:
-            raise UsageError(f"%%parallelize: {err}") from None
+            return al.ClusterSpec.parse(text)
+        except al.ClusterError as err:
+            raise UsageError(f"%%parallelize: bad --cluster {text!r}: {err}") from None
 
 
 def load_ipython_extension(ipython: Any) -> None:
