@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from alpa_lab._gc import quiet_gc
-from alpa_lab.cost.cluster import ClusterError, ClusterSpec
+from alpa_lab.cost.cluster import ClusterError, ClusterSpec, parse_bytes
 from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
@@ -483,7 +483,7 @@ class ParallelizedStep:
         *,
         mesh_shape: tuple[int, int] | None = None,
         method: str | ParallelMethod = "alpa",
-        memory_budget: float | None = None,
+        memory_budget: float | str | None = None,
         microbatches: int | None = None,
         schedule: str = "1f1b",
         layers: int | None = None,
@@ -545,6 +545,8 @@ class ParallelizedStep:
         if max_stages is not None and (isinstance(max_stages, bool) or not isinstance(max_stages, (int, np.integer)) or max_stages < 1):
             raise ValueError(f"max_stages must be a positive integer (or None: as many as the DP finds best), got {max_stages!r}")
         max_stages = None if max_stages is None else int(max_stages)
+        if memory_budget is not None:
+            memory_budget = parse_bytes(memory_budget)
         if microbatches is not None and (mesh_shape is not None or memory_budget is not None):
             raise ValueError(
                 "mesh_shape and memory_budget apply to single-mesh plans; a pipelined step chooses a logical "
@@ -2078,7 +2080,7 @@ def parallelize(
     cluster: ClusterSpec | str | RayCluster | None = None,
     mesh_shape: tuple[int, int] | None = None,
     method: str | ParallelMethod = "alpa",
-    memory_budget: float | None = None,
+    memory_budget: float | str | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
     layers: int | None = None,

@@ -349,3 +349,5 @@ def test_a_cluster_is_named_by_the_text_the_command_line_takes():
         assert "local:HOSTSxDEVICES" in str(info.value)
     with pytest.raises(ClusterError, match="must be a string"):
         ClusterSpec.parse(8)
+    with pytest.raises(ClusterError, match=r"a Ray cluster is an object, not a text: al.RayCluster.local\(2, 4\)"):
+        ClusterSpec.parse("ray")

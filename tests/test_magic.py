@@ -93,6 +93,7 @@ def test_magic_without_args_only_wraps(ip):
         ("--name 1x", CELL, "not a Python identifier"),
         ("--workbench a-b", CELL, "--workbench 'a-b' is not a Python identifier"),
         ("--device-memory -1", CELL, "--device-memory must be a positive"),
+        ("--memory-budget lots", CELL, "memory_budget is bytes per device: a number .* got 'lots'"),
         ("--microbatches 2 --schedule nope", CELL, "unknown pipeline schedule"),
         ("", "x = 1\n", "must define the training step"),
         ("--bogus", CELL, "unrecognized arguments"),

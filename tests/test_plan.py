@@ -240,9 +240,32 @@ def test_a_cluster_given_as_text_plans_as_its_spec(example):
         al.parallelize(example.train_step, cluster=8)
 
 
+def test_a_memory_budget_may_be_written_as_a_size(example):
+    """``memory_budget="40KB"`` is 40e3 bytes per device and ``"512KiB"`` 512 * 2**10 (as people write sizes);
+    what is not a positive size is refused by name, before any planning."""
+    from alpa_lab.cost.cluster import parse_bytes
+
+    assert (parse_bytes("16GB"), parse_bytes(" 512 MiB "), parse_bytes("1.5e3kb"), parse_bytes(7)) == (16e9, 512 * 2**20, 1.5e6, 7.0)
+    cluster = al.ClusterSpec.local(1, 4)
+    as_text = al.parallelize(example.train_step, cluster=cluster, memory_budget="2MB")
+    as_number = al.parallelize(example.train_step, cluster=cluster, memory_budget=2e6)
+    assert as_text.memory_budget == 2e6
+    a, b = as_text.plan(*example.args), as_number.plan(*example.args)
+    assert [(o.name, o.strategy) for o in a.ops] == [(o.name, o.strategy) for o in b.ops] and a.memory_per_device <= 2e6
+    for bad, why in (("lots", "got 'lots'"), ("16 parsecs", "got '16 parsecs'"), (-1, "must be a positive"), ("0GB", "must be a positive"),
+                     (True, "got bool True"), ([16], "got list")):
+        with pytest.raises(ValueError, match=why):
+            al.parallelize(example.train_step, cluster=cluster, memory_budget=bad)
+
+
 def test_bad_cluster_and_mesh_are_clear(example):
     with pytest.raises(al.ClusterError, match="does not hold 4 devices"):
         al.parallelize(example.train_step, cluster=al.ClusterSpec.local(1, 4), mesh_shape=(3, 2))
+    # a grid smaller than the devices: say how to plan for that many
+    with pytest.raises(al.ClusterError, match=r"does not hold 8 devices.*or plan for 4 of them: cluster='local:1x4'"):
+        al.parallelize(example.train_step, cluster=al.ClusterSpec.local(2, 4), mesh_shape=(2, 2))
+    with pytest.raises(al.ClusterError, match=r"does not hold 16 devices.*part\(hosts, devices_per_host\)"):
+        al.parallelize(example.train_step, cluster="p3.8xlarge:4", mesh_shape=(2, 2))
     with pytest.raises(al.ClusterError, match="unknown cluster preset"):
         al.ClusterSpec.preset("p9.mega")
     with pytest.raises(al.MethodError, match="unknown planning method"):

@@ -20,6 +20,7 @@ the mesh, the sum of the two latencies and the slower of the two links.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -218,9 +219,11 @@ class ClusterSpec:
             raise ClusterError(
                 f"cannot read the cluster {text!r} ({exc}): write local:HOSTSxDEVICES (e.g. local:2x4), gpu:HOSTSxDEVICES "
                 f"(e.g. gpu:1x8) or PRESET:HOSTS (e.g. p3.16xlarge:2)") from None
+        ray = (" (a Ray cluster is an object, not a text: al.RayCluster.local(2, 4), al.RayCluster.connect('auto'), "
+               "or al.init('ray'))") if kind == "ray" else ""
         raise ClusterError(
             f"unknown cluster {text!r}: write local:HOSTSxDEVICES (e.g. local:2x4), gpu:HOSTSxDEVICES (e.g. gpu:1x8) or "
-            f"PRESET:HOSTS with a preset from {', '.join(sorted(PRESETS))} (e.g. p3.16xlarge:2)")
+            f"PRESET:HOSTS with a preset from {', '.join(sorted(PRESETS))} (e.g. p3.16xlarge:2){ray}")
 
     @classmethod
     def preset(cls, name: str, hosts: int = 1) -> ClusterSpec:
@@ -247,9 +250,14 @@ class ClusterSpec:
         devices = tuple(range(self.num_devices)) if devices is None else tuple(devices)
         shape = (1, len(devices)) if shape is None else tuple(shape)
         if len(shape) != 2 or math.prod(shape) != len(devices) or min(shape) < 1:
+            fewer = ""
+            if len(shape) == 2 and min(shape) >= 1 and math.prod(shape) < len(devices) and devices == tuple(range(self.num_devices)):
+                fewer = (f", or plan for {math.prod(shape)} of them: cluster='local:1x{math.prod(shape)}' "
+                         f"(ClusterSpec.local(1, {math.prod(shape)}))" if self.simulated else
+                         ", or plan for part of the cluster: cluster=<this cluster>.part(hosts, devices_per_host)")
             raise ClusterError(
                 f"logical mesh shape {shape} does not hold {len(devices)} devices; "
-                f"use a 2-D shape whose product is {len(devices)}, e.g. {(1, len(devices))}"
+                f"use a 2-D shape whose product is {len(devices)}, e.g. {(1, len(devices))}{fewer}"
             )
         if len(set(devices)) != len(devices) or not all(0 <= d < self.num_devices for d in devices):
             raise ClusterError(
@@ -289,6 +297,26 @@ class Collective:
     def __str__(self) -> str:
         axes = "".join(map(str, self.axes))
         return f"{self.kind}({_fmt_bytes(self.nbytes)}, {axes})"
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: float | str, what: str = "memory_budget") -> float:
+    """Bytes from a number, or from a text with a unit as people write sizes: ``"16GB"`` (10**9 bytes a GB),
+    ``"512 MiB"`` (2**20 a MiB); a value that is neither, or not positive, is refused naming ``what``."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _BYTE_UNITS:
+            raise ValueError(f"{what} is bytes per device: a number (16e9) or a size such as '16GB' or '512MiB'; got {value!r}")
+        n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        n = float(value)
+    else:
+        raise ValueError(f"{what} is bytes per device: a number (16e9) or a size such as '16GB'; got {type(value).__name__} {value!r}")
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes per device, got {value!r}")
+    return n
 
 
 def _fmt_bytes(n: float) -> str:

@@ -66,7 +66,7 @@ class ParallelizeMagics(Magics):
     @argument("--submesh-space", default="all", help="whole-host sub-meshes the stage DP tries: all or power_of_two (fast on many hosts)")
     @argument("--remat", action="store_true", help="recompute each pipeline layer in the backward (jax.checkpoint per layer): less memory")
     @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
-    @argument("--memory-budget", type=float, default=None, help="bytes per device (single-mesh plans)")
+    @argument("--memory-budget", type=str, default=None, help="bytes per device (single-mesh plans): 16e9 or 16GB")
     @argument("--batch-argnums", default=None, help="comma-separated positions of the step's batch arguments, e.g. 1 "
               "or =-1 (negative ones after '='; default: the data leaves that share the batch size)")
     @argument("--args", default=None, help="comma-separated names of example arguments to plan with, e.g. state,batch")
