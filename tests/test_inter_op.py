@@ -247,8 +247,31 @@ def test_bad_callable_and_cost():
 
 
 def test_brute_force_refuses_huge_search():
-    with pytest.raises(InterOpError, match="combinations"):
+    with pytest.raises(InterOpError, match="would try .* combinations"):
         brute_force_stages(12, 4, 8, 4, _compute_heavy)
+
+
+@pytest.mark.parametrize("L, N, M, cap", [(3, 1, 4, None), (4, 2, 2, None), (5, 2, 4, 3), (2, 1, 1, None)])
+def test_brute_force_counts_its_search_before_it_starts(monkeypatch, L, N, M, cap):
+    """The up-front count is the number of (slicing, sub-meshes, logical views) the search visits: the search
+    runs with the limit set to that count, and is refused at one less. Oracle: the combinations enumerated."""
+    import itertools
+
+    from alpa_lab.passes import inter_op
+
+    S = min(L, N * M, cap or L)
+    shapes = submesh_shapes(N, M)
+    count = 0
+    for parts in range(1, S + 1):
+        for _cuts in itertools.combinations(range(1, L), parts - 1):
+            for assignment in itertools.product(shapes, repeat=parts):
+                if sum(r * c for r, c in assignment) == N * M:
+                    count += math.prod(len(logical_shapes(sh)) for sh in assignment)
+    monkeypatch.setattr(inter_op, "_MAX_BRUTE_FORCE_COMBINATIONS", count)
+    assert brute_force_stages(L, N, M, 4, _compute_heavy, max_stages=cap) > 0
+    monkeypatch.setattr(inter_op, "_MAX_BRUTE_FORCE_COMBINATIONS", count - 1)
+    with pytest.raises(InterOpError, match=f"would try {count} combinations"):
+        brute_force_stages(L, N, M, 4, _compute_heavy, max_stages=cap)
 
 
 def test_min_over_stages_matches_full_table():

@@ -1099,6 +1099,19 @@ def brute_force_stages(
             memo[key] = _checked_costs(stage_cost, start, end, shape, logical)
         return memo[key]
 
+    # refuse up front (it used to find out after enumerating two million of them): per stage count s,
+    # C(L - 1, s - 1) slicings times the sub-mesh sequences tiling D devices, each weighted by its logical views
+    ways = [[0] * (D + 1) for _ in range(S + 1)]
+    ways[0][0] = 1
+    for k in range(1, S + 1):
+        for d in range(D + 1):
+            ways[k][d] = sum(ways[k - 1][d - r * c] * len(logical_shapes((r, c))) for r, c in shapes if r * c <= d)
+    total = sum(math.comb(L - 1, k - 1) * ways[k][D] for k in range(1, min(L, S) + 1))
+    if total > _MAX_BRUTE_FORCE_COMBINATIONS:
+        raise InterOpError(
+            f"brute force over {L} layers on {N}x{M} devices would try {total} combinations, over its "
+            f"{_MAX_BRUTE_FORCE_COMBINATIONS}; use stage_dp"
+        )
     best = math.inf
     visited = 0
     for slicing in _compositions(L, S):
