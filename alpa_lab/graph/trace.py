@@ -126,11 +126,53 @@ def static_hint(exc: BaseException | None, args: tuple) -> str:
     )
 
 
+class _LostUpdates(Exception):
+    """The step changed Flax NNX objects among its arguments in place and returned none of the changes."""
+
+
+def _nnx_objects(args: tuple) -> list[tuple[str, Any]]:
+    """(where, object) of each Flax NNX graph object (a module, an optimizer) among ``args``, outermost ones only."""
+    import sys
+
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # never imported: no argument can be one
+        return []
+    is_node = getattr(getattr(nnx, "graph", None), "is_graph_node", None) or (lambda x: isinstance(x, nnx.Object))
+    found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=is_node)
+    return [(f"args[{p[0].idx}]" + jax.tree_util.keystr(p[1:]), x) for p, x in found if is_node(x)]
+
+
+def _check_no_lost_updates(fn: Callable, args: tuple, before: set[int], out: Any) -> None:
+    """Refuse a step that changes NNX objects among its arguments in place (``optimizer.update(model, grads)``,
+    a dropout's key counter) without returning them: as under ``jax.jit``, the caller's objects would not
+    change, and the training would silently not train. Changes that the step also returns are fine."""
+    returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
+    lost = [
+        f"{where}{jax.tree_util.keystr(path)}"
+        for where, obj in _nnx_objects(args)
+        for path, x in jax.tree_util.tree_flatten_with_path(obj)[0]
+        if id(x) not in before and id(x) not in returned
+    ]
+    if lost:
+        raise _LostUpdates(
+            f"{getattr(fn, '__name__', fn)!r} changes Flax NNX objects among its arguments in place "
+            f"({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}: {len(lost)} arrays) and returns none of it; a "
+            "parallelized step, like jax.jit, cannot hand such changes back to the caller's objects, so they would be "
+            "lost. Return the new state instead: split outside the step (graphdef, state = nnx.split((model, "
+            "optimizer))), merge inside it (model, optimizer = nnx.merge(graphdef, state)), and return "
+            "nnx.state((model, optimizer)) with the loss; or return the changed objects themselves"
+        )
+
+
 def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
     def fresh(*a: Any) -> Any:
         # a new function each time: JAX caches traces by function identity, and the same
         # step traced inside ``auto_layers`` is another program (it has layer markers)
-        return fn(*a)
+        before = {id(x) for x in jax.tree_util.tree_leaves(a)}
+        out = fn(*a)
+        if not traced_consts:  # a loss function traced inside a step (automatic layering): the step returns its changes
+            _check_no_lost_updates(fn, a, before, out)
+        return out
 
     try:
         # return_shape: the output structure from the same trace (eval_shape would trace again)
@@ -138,6 +180,8 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
             closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
     except markers.BoundaryFound:  # for ``trace`` to trace again, cutting
         raise
+    except _LostUpdates as exc:
+        raise TraceError(f"could not plan {exc}") from None
     except jax.errors.UnexpectedTracerError as exc:  # newer JAX finds the leak while tracing (older: _Builder.const)
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {_LEAKED}.\nJAX says: {exc}") from exc
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
