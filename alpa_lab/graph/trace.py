@@ -19,6 +19,7 @@ import functools
 import hashlib
 import math
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -132,24 +133,22 @@ class _LostUpdates(Exception):
 
 def _nnx_objects(args: tuple) -> list[tuple[str, Any]]:
     """(where, object) of each Flax NNX graph object (a module, an optimizer) among ``args``, outermost ones only."""
-    import sys
-
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:  # never imported: no argument can be one
         return []
-    is_node = getattr(getattr(nnx, "graph", None), "is_graph_node", None) or (lambda x: isinstance(x, nnx.Object))
-    found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=is_node)
-    return [(f"args[{p[0].idx}]" + jax.tree_util.keystr(p[1:]), x) for p, x in found if is_node(x)]
+    found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=nnx.graph.is_graph_node)
+    return [(f"args[{p[0].idx}]" + jax.tree_util.keystr(p[1:]), x) for p, x in found if nnx.graph.is_graph_node(x)]
 
 
-def _check_no_lost_updates(fn: Callable, args: tuple, before: set[int], out: Any) -> None:
-    """Refuse a step that changes NNX objects among its arguments in place (``optimizer.update(model, grads)``,
-    a dropout's key counter) without returning them: as under ``jax.jit``, the caller's objects would not
-    change, and the training would silently not train. Changes that the step also returns are fine."""
+def _check_no_lost_updates(fn: Callable, watched: list[tuple[str, Any]], before: set[int], out: Any) -> None:
+    """Refuse a step that changes the NNX objects ``watched`` among its arguments in place
+    (``optimizer.update(model, grads)``, a dropout's key counter) without returning them: as under ``jax.jit``, the
+    caller's objects would not change, and the training would silently not train. Changes that the step also
+    returns are fine. ``before``: the ids of their arrays before the step ran."""
     returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
     lost = [
         f"{where}{jax.tree_util.keystr(path)}"
-        for where, obj in _nnx_objects(args)
+        for where, obj in watched
         for path, x in jax.tree_util.tree_flatten_with_path(obj)[0]
         if id(x) not in before and id(x) not in returned
     ]
@@ -168,10 +167,13 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
     def fresh(*a: Any) -> Any:
         # a new function each time: JAX caches traces by function identity, and the same
         # step traced inside ``auto_layers`` is another program (it has layer markers)
-        before = {id(x) for x in jax.tree_util.tree_leaves(a)}
+        # NNX objects among the arguments are watched for changes made in place (an object stays itself when
+        # changed); a loss function traced inside a step (automatic layering) is not: the step returns its changes
+        watched = [] if traced_consts else _nnx_objects(a)
+        before = {id(x) for _, obj in watched for x in jax.tree_util.tree_leaves(obj)}
         out = fn(*a)
-        if not traced_consts:  # a loss function traced inside a step (automatic layering): the step returns its changes
-            _check_no_lost_updates(fn, a, before, out)
+        if watched:
+            _check_no_lost_updates(fn, watched, before, out)
         return out
 
     try:

@@ -1113,19 +1113,12 @@ def brute_force_stages(
             f"{_MAX_BRUTE_FORCE_COMBINATIONS}; use stage_dp"
         )
     best = math.inf
-    visited = 0
     for slicing in _compositions(L, S):
         for assignment in itertools.product(shapes, repeat=len(slicing)):
             if sum(r * c for r, c in assignment) != D:
                 continue
             per_stage = [logical_shapes(shape) for shape in assignment]
             for logicals in itertools.product(*per_stage):
-                visited += 1
-                if visited > _MAX_BRUTE_FORCE_COMBINATIONS:
-                    raise InterOpError(
-                        f"brute force over {L} layers on {N}x{M} devices exceeds "
-                        f"{_MAX_BRUTE_FORCE_COMBINATIONS} combinations; use stage_dp"
-                    )
                 times = []
                 num = len(slicing)
                 for i, ((start, end), shape, logical) in enumerate(
