@@ -26,7 +26,9 @@ from alpa_lab.cost.cluster import ClusterError, ClusterSpec, parse_bytes
 from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
-from alpa_lab.graph.trace import TraceError, _path_str, args_signature, leaf_aval, static_hint, trace
+from alpa_lab.graph.trace import (
+    LostUpdatesError, NNXStateError, TraceError, _path_str, args_signature, leaf_aval, static_hint, trace, with_nnx_changes, write_back_nnx,
+)
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
@@ -594,6 +596,10 @@ class ParallelizedStep:
         """Alpa's ``static_argnums``: "auto" (arguments holding only values that are not arrays, numbers or bools: a
         function, a string, an object; ``static_positions``) or the positions given; bound into the traced function
         (``StaticArgs``)"""
+        self.hands_back_nnx = False
+        """the step changes Flax NNX objects among its arguments in place and returns none of it (as written for
+        ``nnx.jit``): it is traced as ``with_nnx_changes(fn)``, and each call puts the new state into the caller's
+        objects (``write_back_nnx``). Found by the first trace (``LostUpdatesError``)."""
         self._calls = threading.local()
         """per thread: ``static``, the static arguments of the call being served there (and of its last one), what
         ``fn`` binds; ``depth``, how deep in the step's own methods that call is (``_serving``). Per thread, so a
@@ -719,8 +725,10 @@ class ParallelizedStep:
 
     @property
     def fn(self) -> Callable:
-        """The function traced: the user's, with the current call's static arguments bound into it."""
-        return self.user_fn if self._static is None else self._static.bind(self.user_fn)
+        """The function traced: the user's, with the current call's static arguments bound into it (and returning
+        the NNX objects' new state with its results, for a step that changes them in place: ``hands_back_nnx``)."""
+        fn = self.user_fn if self._static is None else self._static.bind(self.user_fn)
+        return with_nnx_changes(fn) if self.hands_back_nnx else fn
 
     def _bind_static(self, args: tuple) -> tuple:
         """``args`` less their static arguments, which become the binding ``fn`` traces with."""
@@ -743,6 +751,18 @@ class ParallelizedStep:
             raise ValueError(
                 f"{what} runs the step on (state, batch) of arrays, but this step takes static arguments{given}: close over "
                 "them (functools.partial(step_fn, ...)) and parallelize that to train it in a run, or call the step in a loop")
+
+    def _refuse_nnx_run(self, what: str) -> None:
+        """A run keeps its state on the devices or mesh workers and hands back what the step returns: a step that
+        changes Flax NNX objects in place (``hands_back_nnx``) has its changes put into the caller's objects at each
+        call, in this process only."""
+        if self.hands_back_nnx:
+            raise ValueError(
+                f"{what} runs the step on a state it keeps and passes from step to step, but {self.__name__!r} changes Flax "
+                "NNX objects among its arguments in place and returns only its results (as written for nnx.jit): call it in "
+                "a loop in this process, where each call updates your objects; or return the new state for a run: split "
+                "outside the step (graphdef, state = nnx.split((model, optimizer))), merge inside it (model, optimizer = "
+                "nnx.merge(graphdef, state)), and return (nnx.state((model, optimizer)), loss)")
 
     def _static_key(self) -> tuple:
         return () if self._static is None else self._static.key
@@ -786,6 +806,11 @@ class ParallelizedStep:
                     )
                 else:
                     graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
+            except LostUpdatesError:  # written for nnx.jit: trace it returning the objects' new state, and hand that back
+                if self.hands_back_nnx:
+                    raise
+                self.hands_back_nnx = True
+                return self.trace(*args)
             except TraceError as err:
                 hint = static_hint(err.__cause__, args)
                 if hint:
@@ -1171,6 +1196,7 @@ class ParallelizedStep:
             )
         if self.current_plan is None:  # the first call plans, as in this process
             self.plan(*args)
+        self._refuse_nnx_run("a step on Ray mesh workers")
         run = self.ray_run
         if run is None or run.closed or run.plan is not self.current_plan or state is not self._ray_state:
             if run is not None:
@@ -1222,7 +1248,7 @@ class ParallelizedStep:
         t0 = time.perf_counter()
         out = call_compiled(compiled, graph, args)
         _TIMER.record(self._call_costs(compiled.plan), t0, out)
-        return out
+        return write_back_nnx(args, out) if self.hands_back_nnx else out
 
     def _call_costs(self, plan: Any) -> Any:
         """The seconds of ``plan``'s calls (the last ``CALL_COSTS_KEPT``); a step keeps them for its last few plans."""
@@ -1262,6 +1288,7 @@ class ParallelizedStep:
         workers still busy; the first step, which compiles the programs on the workers, is not timed.
         """
         self._refuse_static_run("step.launch")
+        self._refuse_nnx_run("step.launch")
         with self._serving((), passed_on=True):  # the run's (state, example) are the program's arguments, all of them
             run = self._launch(cluster, state, *example, backend=backend, address=address,
                                keep_state_every=keep_state_every, step_timeout=step_timeout)
@@ -1339,6 +1366,7 @@ class ParallelizedStep:
         from alpa_lab.runtime.training import TrainingRun
 
         self._refuse_static_run("a training run")  # before its first batch is traced (the run checks it too)
+        self._refuse_nnx_run("a training run")
         if self.current_plan is None:
             raise ValueError("this step has no plan yet: call step.plan(state, batch) first")
         if getattr(self.current_plan, "schedule", None) == INFERENCE:
@@ -1762,6 +1790,8 @@ def trace_microbatched(
         try:
             with auto_layers(layers, remat=remat, asked=layers_asked):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+        except NNXStateError:
+            raise
         except TraceError as err:  # cutting the state (a weight) into micro-batches breaks the step: say that, if so
             _refuse_named_state(fn, args, batch_argnums, split)
             raise _on_one_microbatch(err, fn, args, split, f"batch_argnums={batch_argnums}: is a per-example argument "
@@ -1778,6 +1808,8 @@ def trace_microbatched(
         try:
             with auto_layers(layers, remat=remat, asked=layers_asked):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+        except NNXStateError:
+            raise
         except TraceError:
             graph = None  # the guess made shapes the step cannot take: ask the full-batch trace
         if graph is not None and (inference or not find_aliases(graph)):
@@ -1803,6 +1835,8 @@ def trace_microbatched(
     try:
         with auto_layers(layers, remat=remat, asked=layers_asked):
             graph = trace(fn, *micro_args)
+    except NNXStateError:
+        raise
     except TraceError as err:
         raise _on_one_microbatch(err, fn, args, split, "the leading size most data leaves share; name the batch with "
                                  "parallelize(..., batch_argnums=(1,)) if it is other arguments") from err

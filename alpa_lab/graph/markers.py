@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
@@ -269,7 +270,7 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     from alpa_lab.graph.layering import cluster_layers
 
     static = _Static(args)
-    graph = trace(lambda *arrays: fun(*static.args(arrays), **kwargs), *static.arrays, traced_consts=True)
+    graph = trace(_keeping_nnx_unchanged(fun, static, kwargs), *static.arrays, traced_consts=True)
     if any(_is_boundary(op) for op in graph.ops):
         return fun
     K = len(graph.ops)
@@ -555,6 +556,31 @@ def _find_cuts(jaxpr: Any, where: str = "") -> bool:
     return found
 
 
+def _keeping_nnx_unchanged(fun: Callable, static: _Static, kwargs: dict) -> Callable:
+    """``fun`` on the traced arrays, refusing to change the Flax NNX modules among its arguments in place: cut into
+    layers, the loss function runs as the program of its ops, which hands no such change back (a dropout's key
+    counter would stay where it was, and every step would draw the same mask), so it must not make one."""
+    from alpa_lab.graph.trace import NNXStateError, lost_nnx_updates, nnx_objects
+
+    def rerun(*arrays: Any) -> Any:
+        args = static.args(arrays)
+        watched = nnx_objects(args)
+        before = {id(x) for _, obj in watched for x in jax.tree_util.tree_leaves(obj)}
+        out = fun(*args, **kwargs)
+        lost = lost_nnx_updates(watched, before, out) if watched else []
+        if lost:
+            raise NNXStateError(
+                f"the loss function {getattr(fun, '__name__', fun)!r}, cut into pipeline layers, changes Flax NNX variables "
+                f"of its arguments in place ({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}: a dropout's key "
+                "counter, batch statistics); its layers run as a program of its ops, which cannot hand such changes "
+                "back, so every step would reuse them unchanged (the same dropout mask). Draw the randomness outside the "
+                "loss function and pass it in: a key argument of the step, split each step, and the module called "
+                "with rngs=nnx.Rngs(dropout=key) (nnx.Dropout(rate) built without rngs); or plan it without a pipeline")
+        return out
+
+    return rerun
+
+
 class _Static:
     """The arguments of a loss function split as ``jax.grad`` passes them: arrays are traced; flags, callables
     (a module's ``apply``) and other Python values stay what they are, baked into the re-run's trace."""
@@ -729,12 +755,31 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         def marked(*a: Any, **k: Any) -> Any:
             return _mark_loss(f(*a, **k), has_aux)
 
-        value, grads = jax.value_and_grad(marked, argnums=argnums, has_aux=has_aux, **kwargs)(*args, **kw)
+        # a Flax NNX module among the differentiated arguments is taken as nnx.value_and_grad takes it (the gradient
+        # is the nnx.State of its nnx.Param variables; what the loss changes in its other variables, a dropout's key
+        # counter, is put back into it): the same function does it, with the same marks
+        differentiated = _nnx_value_and_grad() if _nnx_arguments(args, argnums) else jax.value_and_grad
+        value, grads = differentiated(marked, argnums=argnums, has_aux=has_aux, **kwargs)(*args, **kw)
         return value, _mark_gradients(grads)
 
     wrapped.__name__ = f"value_and_grad({getattr(fun, '__name__', 'fun')})"
     wrapped.__doc__ = getattr(fun, "__doc__", None)
     return wrapped
+
+
+def _nnx_arguments(args: tuple, argnums: int | Sequence[int]) -> tuple[int, ...]:
+    """The positions among ``argnums`` that hold a Flax NNX graph object (a module) rather than a pytree of arrays."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # never imported: no argument can be one
+        return ()
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    return tuple(i for i in positions if i < len(args) and nnx.graph.is_graph_node(args[i]))
+
+
+def _nnx_value_and_grad() -> Callable:
+    from flax import nnx
+
+    return nnx.value_and_grad
 
 
 @jax.custom_vjp

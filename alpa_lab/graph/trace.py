@@ -131,6 +131,50 @@ class _LostUpdates(Exception):
     """The step changed Flax NNX objects among its arguments in place and returned none of the changes."""
 
 
+class NNXStateError(TraceError):
+    """Flax NNX variables changed in place where the change cannot be handed back (``LostUpdatesError``, and a loss
+    function cut into pipeline layers): passed on as it is by every trace that meets it."""
+
+
+class LostUpdatesError(NNXStateError):
+    """``trace``'s refusal of a step that changes Flax NNX objects among its arguments in place and returns none
+    of it. A parallelized step catches it and traces ``with_nnx_changes(step)`` instead, as ``nnx.jit`` does."""
+
+
+def with_nnx_changes(fn: Callable) -> Callable:
+    """``fn`` that also returns the Flax NNX objects among its arguments, as they are after it ran, so that a step
+    written for ``nnx.jit`` (it changes its model and optimizer in place and returns the loss) hands the changes
+    back; ``write_back_nnx`` puts them into the caller's objects.
+
+    The program is then the functional form that returns the changed objects: ``(*args, out)`` with every leaf of
+    the arguments that is not in an NNX object left out (None), so each object's arrays come back at the tree
+    paths they came in at, which is how the planner tells the state (returned in place) from the batch."""
+    nnx = _nnx()
+
+    @functools.wraps(fn)
+    def step(*args: Any) -> tuple:
+        out = fn(*args)
+        kept = jax.tree_util.tree_map(lambda x: x if nnx.graph.is_graph_node(x) else None, args, is_leaf=nnx.graph.is_graph_node)
+        return (*kept, out)
+
+    return step
+
+
+def write_back_nnx(args: tuple, results: tuple) -> Any:
+    """What the step returned, after putting the state of the NNX objects ``with_nnx_changes`` returned with it into
+    the caller's objects among ``args`` (they change in place, as under ``nnx.jit``)."""
+    nnx = _nnx()
+    for (_, mine), (_, changed) in zip(_nnx_objects(args), _nnx_objects(tuple(results[:-1]))):
+        nnx.update(mine, nnx.state(changed))
+    return results[-1]
+
+
+def _nnx() -> Any:
+    from flax import nnx
+
+    return nnx
+
+
 def _nnx_objects(args: tuple) -> list[tuple[str, Any]]:
     """(where, object) of each Flax NNX graph object (a module, an optimizer) among ``args``, outermost ones only."""
     nnx = sys.modules.get("flax.nnx")
@@ -140,24 +184,36 @@ def _nnx_objects(args: tuple) -> list[tuple[str, Any]]:
     return [(f"args[{p[0].idx}]" + jax.tree_util.keystr(p[1:]), x) for p, x in found if nnx.graph.is_graph_node(x)]
 
 
-def _check_no_lost_updates(fn: Callable, watched: list[tuple[str, Any]], before: set[int], out: Any) -> None:
-    """Refuse a step that changes the NNX objects ``watched`` among its arguments in place
-    (``optimizer.update(model, grads)``, a dropout's key counter) without returning them: as under ``jax.jit``, the
-    caller's objects would not change, and the training would silently not train. Changes that the step also
-    returns are fine. ``before``: the ids of their arrays before the step ran."""
+def lost_nnx_updates(watched: list[tuple[str, Any]], before: set[int], out: Any) -> list[str]:
+    """Where each array of the NNX objects ``watched`` that the function changed in place and did not return is
+    (``before``: the ids of their arrays before it ran)."""
     returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
-    lost = [
+    return [
         f"{where}{jax.tree_util.keystr(path)}"
         for where, obj in watched
         for path, x in jax.tree_util.tree_flatten_with_path(obj)[0]
         if id(x) not in before and id(x) not in returned
     ]
+
+
+def nnx_objects(args: tuple) -> list[tuple[str, Any]]:
+    """(where, object) of each Flax NNX graph object among ``args`` (``_nnx_objects``)."""
+    return _nnx_objects(args)
+
+
+def _check_no_lost_updates(fn: Callable, watched: list[tuple[str, Any]], before: set[int], out: Any) -> None:
+    """Refuse a step that changes the NNX objects ``watched`` among its arguments in place
+    (``optimizer.update(model, grads)``, a dropout's key counter) without returning them: as under ``jax.jit``, the
+    caller's objects would not change, and the training would silently not train. Changes that the step also
+    returns are fine. ``before``: the ids of their arrays before the step ran."""
+    lost = lost_nnx_updates(watched, before, out)
     if lost:
         raise _LostUpdates(
             f"{getattr(fn, '__name__', fn)!r} changes Flax NNX objects among its arguments in place "
             f"({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}: {len(lost)} arrays) and returns none of it; a "
-            "parallelized step, like jax.jit, cannot hand such changes back to the caller's objects, so they would be "
-            "lost. Return the new state instead: split outside the step (graphdef, state = nnx.split((model, "
+            "program traced from it as it stands (as jax.jit traces it) would leave the caller's objects unchanged, so "
+            "the changes would be lost. Call it as a parallelized step in this process (each call hands them back, as "
+            "nnx.jit does), or return the new state: split outside the step (graphdef, state = nnx.split((model, "
             "optimizer))), merge inside it (model, optimizer = nnx.merge(graphdef, state)), and return "
             "nnx.state((model, optimizer)) with the loss; or return the changed objects themselves"
         )
@@ -183,7 +239,9 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
     except markers.BoundaryFound:  # for ``trace`` to trace again, cutting
         raise
     except _LostUpdates as exc:
-        raise TraceError(f"could not plan {exc}") from None
+        raise LostUpdatesError(f"could not plan {exc}") from None
+    except NNXStateError:  # a loss function's, met inside the step: it says what to change
+        raise
     except jax.errors.UnexpectedTracerError as exc:  # newer JAX finds the leak while tracing (older: _Builder.const)
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {_LEAKED}.\nJAX says: {exc}") from exc
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
