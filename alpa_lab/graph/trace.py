@@ -164,7 +164,7 @@ def write_back_nnx(args: tuple, results: tuple) -> Any:
     """What the step returned, after putting the state of the NNX objects ``with_nnx_changes`` returned with it into
     the caller's objects among ``args`` (they change in place, as under ``nnx.jit``)."""
     nnx = _nnx()
-    for (_, mine), (_, changed) in zip(_nnx_objects(args), _nnx_objects(tuple(results[:-1]))):
+    for (_, mine), (_, changed) in zip(nnx_objects(args), nnx_objects(tuple(results[:-1]))):
         nnx.update(mine, nnx.state(changed))
     return results[-1]
 
@@ -175,7 +175,7 @@ def _nnx() -> Any:
     return nnx
 
 
-def _nnx_objects(args: tuple) -> list[tuple[str, Any]]:
+def nnx_objects(args: tuple) -> list[tuple[str, Any]]:
     """(where, object) of each Flax NNX graph object (a module, an optimizer) among ``args``, outermost ones only."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:  # never imported: no argument can be one
@@ -194,11 +194,6 @@ def lost_nnx_updates(watched: list[tuple[str, Any]], before: set[int], out: Any)
         for path, x in jax.tree_util.tree_flatten_with_path(obj)[0]
         if id(x) not in before and id(x) not in returned
     ]
-
-
-def nnx_objects(args: tuple) -> list[tuple[str, Any]]:
-    """(where, object) of each Flax NNX graph object among ``args`` (``_nnx_objects``)."""
-    return _nnx_objects(args)
 
 
 def _check_no_lost_updates(fn: Callable, watched: list[tuple[str, Any]], before: set[int], out: Any) -> None:
@@ -225,7 +220,7 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
         # step traced inside ``auto_layers`` is another program (it has layer markers)
         # NNX objects among the arguments are watched for changes made in place (an object stays itself when
         # changed); a loss function traced inside a step (automatic layering) is not: the step returns its changes
-        watched = [] if traced_consts else _nnx_objects(a)
+        watched = [] if traced_consts else nnx_objects(a)
         before = {id(x) for _, obj in watched for x in jax.tree_util.tree_leaves(obj)}
         out = fn(*a)
         if watched:
