@@ -148,6 +148,10 @@ def test_where_the_state_stays_away_from_the_caller_an_in_place_step_is_refused_
     assert "call it in a loop" in str(info.value)
     with pytest.raises(ValueError, match="changes Flax NNX objects"):
         step.launch(None, (model, optimizer))
+    from alpa_lab.notebook.workbench import Workbench  # its Launch makes the run itself
+
+    with pytest.raises(ValueError, match="changes Flax NNX objects"):
+        Workbench(step.current_plan, step).launch((model, optimizer), {}, steps=2)
     assert np.array_equal(np.asarray(model.l1.kernel[...]), kernel)  # nothing ran
     with pytest.raises(LostUpdatesError, match=r"in place \(args\[0\]\.l1\.") as info:
         trace(update_in_place, model, optimizer)

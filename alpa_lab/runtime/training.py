@@ -134,6 +134,7 @@ class TrainingRun:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive number of steps, got {steps!r}")
         step._refuse_static_run("a training run")  # its steps take (state, batch) of arrays only
+        step._refuse_nnx_run("a training run")  # it keeps the state: changes made in place could not reach it
         if step.current_plan is None:
             raise ValueError("the step has no plan yet: call step.plan(state, batch) first")
         self.step = step
