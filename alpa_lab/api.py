@@ -27,7 +27,7 @@ from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_a
 from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import (
-    LostUpdatesError, NNXStateError, TraceError, _path_str, args_signature, leaf_aval, static_hint, trace, with_nnx_changes, write_back_nnx,
+    LostUpdatesError, TraceError, _path_str, args_signature, leaf_aval, static_hint, trace, with_nnx_changes, write_back_nnx,
 )
 from alpa_lab.passes.intra_op import build_strategy_graph
 from alpa_lab.passes.ilp import InfeasibleError
@@ -1790,7 +1790,7 @@ def trace_microbatched(
         try:
             with auto_layers(layers, remat=remat, asked=layers_asked):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
-        except NNXStateError:
+        except LostUpdatesError:
             raise
         except TraceError as err:  # cutting the state (a weight) into micro-batches breaks the step: say that, if so
             _refuse_named_state(fn, args, batch_argnums, split)
@@ -1808,7 +1808,7 @@ def trace_microbatched(
         try:
             with auto_layers(layers, remat=remat, asked=layers_asked):
                 graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
-        except NNXStateError:
+        except LostUpdatesError:
             raise
         except TraceError:
             graph = None  # the guess made shapes the step cannot take: ask the full-batch trace
@@ -1835,7 +1835,7 @@ def trace_microbatched(
     try:
         with auto_layers(layers, remat=remat, asked=layers_asked):
             graph = trace(fn, *micro_args)
-    except NNXStateError:
+    except LostUpdatesError:
         raise
     except TraceError as err:
         raise _on_one_microbatch(err, fn, args, split, "the leading size most data leaves share; name the batch with "

@@ -270,7 +270,8 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     from alpa_lab.graph.layering import cluster_layers
 
     static = _Static(args)
-    graph = trace(_keeping_nnx_unchanged(fun, static, kwargs), *static.arrays, traced_consts=True)
+    hand_back = _NNXHandBack(fun, static, kwargs)
+    graph = trace(hand_back.traced, *static.arrays, traced_consts=True)
     if any(_is_boundary(op) for op in graph.ops):
         return fun
     K = len(graph.ops)
@@ -329,7 +330,7 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
             # each op under its own module path, so labels (and the repeated-block reuse that
             # reads them) survive the re-run
             outs = evaluate(graph, arrays, on_output=produced, before=mark_cut, scoped=True)
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+        return hand_back.handed_back(a, jax.tree_util.tree_unflatten(graph.out_tree, outs))
 
     return layered
 
@@ -340,11 +341,12 @@ def _rematerialized(fun: Callable, args: tuple, kwargs: dict) -> Callable:
     from alpa_lab.graph.trace import trace
 
     static = _Static(args)
-    graph = trace(lambda *arrays: fun(*static.args(arrays), **kwargs), *static.arrays, traced_consts=True)
+    hand_back = _NNXHandBack(fun, static, kwargs)
+    graph = trace(hand_back.traced, *static.arrays, traced_consts=True)
 
     def run(*a: Any) -> Any:
         outs = _checkpointed(graph, static.arrays_of(a), starts=set())
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+        return hand_back.handed_back(a, jax.tree_util.tree_unflatten(graph.out_tree, outs))
 
     return run
 
@@ -556,29 +558,59 @@ def _find_cuts(jaxpr: Any, where: str = "") -> bool:
     return found
 
 
-def _keeping_nnx_unchanged(fun: Callable, static: _Static, kwargs: dict) -> Callable:
-    """``fun`` on the traced arrays, refusing to change the Flax NNX modules among its arguments in place: cut into
-    layers, the loss function runs as the program of its ops, which hands no such change back (a dropout's key
-    counter would stay where it was, and every step would draw the same mask), so it must not make one."""
-    from alpa_lab.graph.trace import NNXStateError, lost_nnx_updates, nnx_objects
+class _NNXHandBack:
+    """A loss function's in-place changes to the Flax NNX modules among its arguments (a dropout's key counter,
+    BatchNorm's statistics), carried through its re-run as a program of its ops, which by itself would drop them.
 
-    def rerun(*arrays: Any) -> Any:
-        args = static.args(arrays)
-        watched = nnx_objects(args)
-        before = {id(x) for _, obj in watched for x in jax.tree_util.tree_leaves(obj)}
-        out = fun(*args, **kwargs)
-        lost = lost_nnx_updates(watched, before, out) if watched else []
-        if lost:
-            raise NNXStateError(
-                f"the loss function {getattr(fun, '__name__', fun)!r}, cut into pipeline layers, changes Flax NNX variables "
-                f"of its arguments in place ({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}: a dropout's key "
-                "counter, batch statistics); its layers run as a program of its ops, which cannot hand such changes "
-                "back, so every step would reuse them unchanged (the same dropout mask). Draw the randomness outside the "
-                "loss function and pass it in: a key argument of the step, split each step, and the module called "
-                "with rngs=nnx.Rngs(dropout=key) (nnx.Dropout(rate) built without rngs); or plan it without a pipeline")
+    Traced (``traced``), the function returns the changed arrays beside its result; re-run (``handed_back``), they
+    are put back into the modules the re-run was given, the copies ``nnx.value_and_grad`` made, which hand them on
+    to the caller's modules as they do the loss's own changes. In a pipeline such a change is made every
+    micro-batch: floating ones (statistics) are averaged over the micro-batches, others (a key counter) keep the
+    last micro-batch's value (``runtime.accumulate``)."""
+
+    def __init__(self, fun: Callable, static: _Static, kwargs: dict) -> None:
+        self.fun, self.static, self.kwargs = fun, static, kwargs
+        self.changed: list[tuple[int, int]] = []
+        """(module, array) positions, in ``nnx_objects`` and ``jax.tree_util.tree_leaves`` order, that the trace changed"""
+
+        def traced(*arrays: Any) -> Any:  # named as the loss function, for the trace's messages
+            return self._traced(arrays)
+
+        traced.__name__ = getattr(fun, "__name__", "loss")
+        self.traced = traced
+
+    def _traced(self, arrays: tuple) -> Any:
+        from alpa_lab.graph.trace import nnx_objects
+
+        args = self.static.args(arrays)
+        modules = [obj for _, obj in nnx_objects(args)]
+        before = {id(x) for obj in modules for x in jax.tree_util.tree_leaves(obj)}
+        out = self.fun(*args, **self.kwargs)
+        leaves = [jax.tree_util.tree_leaves(obj) for obj in modules]
+        self.changed = [(k, i) for k, xs in enumerate(leaves) for i, x in enumerate(xs) if id(x) not in before]
+        return (out, [leaves[k][i] for k, i in self.changed]) if self.changed else out
+
+    def handed_back(self, args: tuple, result: Any) -> Any:
+        if not self.changed:
+            return result
+        from flax import nnx
+
+        from alpa_lab.graph.trace import nnx_objects
+
+        out, values = result
+        modules = [obj for _, obj in nnx_objects(args)]
+        # each array leaf's variable (a variable holds one array; one holding none has no leaf)
+        slots = [
+            [v for v in jax.tree_util.tree_leaves(obj, is_leaf=lambda x: isinstance(x, nnx.Variable)) for _ in jax.tree_util.tree_leaves(v)]
+            for obj in modules
+        ]
+        for (k, i), value in zip(self.changed, values):
+            variable = slots[k][i]
+            if hasattr(variable, "set_value"):  # flax >= 0.12 (the .value setter is deprecated there)
+                variable.set_value(value)
+            else:
+                variable.value = value
         return out
-
-    return rerun
 
 
 class _Static:
@@ -609,18 +641,15 @@ def _cut(fun: Callable, args: tuple, kwargs: dict) -> Callable | None:
     is differentiating ``fun``.
     """
     static = _Static(args)
-
-    def run(*arrays: Any) -> Any:
-        return fun(*static.args(arrays), **kwargs)
-
-    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*static.arrays)
+    hand_back = _NNXHandBack(fun, static, kwargs)
+    closed, out_shape = jax.make_jaxpr(hand_back.traced, return_shape=True)(*static.arrays)
     if not _find_cuts(closed.jaxpr):
         return None
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     def cut(*a: Any) -> Any:
         outs = _Cutter().run(closed.jaxpr, closed.consts, static.arrays_of(a))
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return hand_back.handed_back(a, jax.tree_util.tree_unflatten(out_tree, outs))
 
     return cut
 

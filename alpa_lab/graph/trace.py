@@ -131,12 +131,7 @@ class _LostUpdates(Exception):
     """The step changed Flax NNX objects among its arguments in place and returned none of the changes."""
 
 
-class NNXStateError(TraceError):
-    """Flax NNX variables changed in place where the change cannot be handed back (``LostUpdatesError``, and a loss
-    function cut into pipeline layers): passed on as it is by every trace that meets it."""
-
-
-class LostUpdatesError(NNXStateError):
+class LostUpdatesError(TraceError):
     """``trace``'s refusal of a step that changes Flax NNX objects among its arguments in place and returns none
     of it. A parallelized step catches it and traces ``with_nnx_changes(step)`` instead, as ``nnx.jit`` does."""
 
@@ -235,8 +230,6 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
         raise
     except _LostUpdates as exc:
         raise LostUpdatesError(f"could not plan {exc}") from None
-    except NNXStateError:  # a loss function's, met inside the step: it says what to change
-        raise
     except jax.errors.UnexpectedTracerError as exc:  # newer JAX finds the leak while tracing (older: _Builder.const)
         raise TraceError(f"could not trace {getattr(fn, '__name__', fn)!r}: {_LEAKED}.\nJAX says: {exc}") from exc
     except Exception as exc:  # the user's own code failed: say so, keep their traceback
