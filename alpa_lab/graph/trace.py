@@ -179,24 +179,18 @@ def nnx_objects(args: tuple) -> list[tuple[str, Any]]:
     return [(f"args[{p[0].idx}]" + jax.tree_util.keystr(p[1:]), x) for p, x in found if nnx.graph.is_graph_node(x)]
 
 
-def lost_nnx_updates(watched: list[tuple[str, Any]], before: set[int], out: Any) -> list[str]:
-    """Where each array of the NNX objects ``watched`` that the function changed in place and did not return is
-    (``before``: the ids of their arrays before it ran)."""
-    returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
-    return [
-        f"{where}{jax.tree_util.keystr(path)}"
-        for where, obj in watched
-        for path, x in jax.tree_util.tree_flatten_with_path(obj)[0]
-        if id(x) not in before and id(x) not in returned
-    ]
-
-
 def _check_no_lost_updates(fn: Callable, watched: list[tuple[str, Any]], before: set[int], out: Any) -> None:
     """Refuse a step that changes the NNX objects ``watched`` among its arguments in place
     (``optimizer.update(model, grads)``, a dropout's key counter) without returning them: as under ``jax.jit``, the
     caller's objects would not change, and the training would silently not train. Changes that the step also
     returns are fine. ``before``: the ids of their arrays before the step ran."""
-    lost = lost_nnx_updates(watched, before, out)
+    returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
+    lost = [
+        f"{where}{jax.tree_util.keystr(path)}"
+        for where, obj in watched
+        for path, x in jax.tree_util.tree_flatten_with_path(obj)[0]
+        if id(x) not in before and id(x) not in returned
+    ]
     if lost:
         raise _LostUpdates(
             f"{getattr(fn, '__name__', fn)!r} changes Flax NNX objects among its arguments in place "
@@ -214,7 +208,8 @@ def _trace(fn: Callable, args: tuple, traced_consts: bool) -> OpGraph:
         # a new function each time: JAX caches traces by function identity, and the same
         # step traced inside ``auto_layers`` is another program (it has layer markers)
         # NNX objects among the arguments are watched for changes made in place (an object stays itself when
-        # changed); a loss function traced inside a step (automatic layering) is not: the step returns its changes
+        # changed); a loss function traced inside a step (automatic layering) is not: its changes come back through
+        # its re-run (``markers._NNXHandBack``) into the step, which returns them
         watched = [] if traced_consts else nnx_objects(a)
         before = {id(x) for _, obj in watched for x in jax.tree_util.tree_leaves(obj)}
         out = fn(*a)
