@@ -41,6 +41,10 @@ EXPECT = {
         "pinned: dot_general", "cannot hold together", "after two undos, pins: ()", "-> layers 0..1 on (1, 4)",
         "pin_stages with a gap: False",
     ],
+    "06_flax_nnx.ipynb": [
+        "hands the NNX objects' changes back after each call: True", "losses equal nnx.jit", "Pipeline plan (alpa)",
+        "dropout key counter 3", "refused: a training run",
+    ],
 }
 FILES_WRITTEN = {"02_gpt_pipelining.ipynb": ["gpt_pipeline_trace.json"]}
 
