@@ -805,7 +805,7 @@ class ParallelizedStep:
                         inference=self.schedule == INFERENCE,
                     )
                 else:
-                    graph = trace(self.fn, *self._last_args)  # as jax.jit types them (Python scalars too)
+                    graph = trace(self.fn, *self._last_args, cut=False)  # as jax.jit types them (Python scalars too); one mesh: no stages
             except LostUpdatesError:  # written for nnx.jit: trace it returning the objects' new state, and hand that back
                 if self.hands_back_nnx:
                     raise

@@ -164,9 +164,10 @@ def mark_stage_boundary(*xs: Any, name: str = "") -> Any:
     each were passed here. This works inside the loss function given to
     ``alpa_lab.value_and_grad``/``alpa_lab.grad`` (also inside a ``jax.jit`` function it
     calls), where the cut can be mirrored in the backward pass; it returns None. Tracing a
-    step for a plan (``alpa_lab.trace``, ``step.plan``) with one elsewhere, or inside
+    step for a pipelined plan (``alpa_lab.trace``, ``step.plan``) with one elsewhere, or inside
     ``jax.checkpoint``/``custom_vjp``/control flow, raises ``TraceError`` saying so. Outside
-    a plan's tracing (run eagerly, under plain ``jax.jit``/``jax.grad``) it does nothing.
+    a plan's tracing (run eagerly, under plain ``jax.jit``/``jax.grad``), and in a plan
+    without stages (``ShardParallel``, ``DataParallel``: one mesh), it does nothing.
     Because it is found while the step is traced, a call inside a ``jax.jit`` function
     whose trace JAX already cached is not seen: call it in the loss function itself.
     """

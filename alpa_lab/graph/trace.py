@@ -62,14 +62,17 @@ class TraceError(ValueError):
 
 
 @quiet_gc()
-def trace(fn: Callable, *args: Any, traced_consts: bool = False) -> OpGraph:
+def trace(fn: Callable, *args: Any, traced_consts: bool = False, cut: bool = True) -> OpGraph:
     """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them).
 
     ``traced_consts`` lets ``fn`` close over tracers of an enclosing transformation (the
     graph is then only valid inside that trace); ``value_and_grad``'s automatic layering
     traces a loss function that way from inside the training step.
+    ``cut=False`` is for a plan without stages (one mesh): an argument-less
+    ``mark_stage_boundary()`` is then a no-op wherever it is, as under ``jax.jit`` and as
+    Alpa's ``ShardParallel`` treats a model written with ``mark_pipeline_boundary()``.
     """
-    if markers.watching_boundaries():  # inside another trace: that one handles boundaries
+    if markers.watching_boundaries() or not cut:  # inside another trace, that one handles boundaries
         return _trace(fn, args, traced_consts)
     with markers.watch_boundaries() as calls:
         try:
