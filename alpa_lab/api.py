@@ -19,6 +19,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from alpa_lab._gc import quiet_gc
@@ -1467,6 +1468,27 @@ class Executable:
             return []
         return list(self.step._call_costs(self.plan))[warmup:]
 
+    def profile_with_dummy_inputs(self, warmup: int = 2, repeat: int = 10) -> list[float]:
+        """Seconds of each of ``repeat`` runs of this program on dummy arguments (zeros of the compiled shapes and
+        dtypes; Alpa's name), after ``warmup`` untimed runs, each waited for: the program's own time, without the
+        user's data, the step's other calls' timer (``get_execution_time_costs``) or any write-back. A single mesh's
+        arguments are put on its devices first (outside the timing), as Alpa's device buffers are; a pipeline's
+        step places its micro-batches itself, so that is in each figure, as it is in every step."""
+        if isinstance(warmup, bool) or isinstance(repeat, bool) or not isinstance(warmup, int) or not isinstance(repeat, int) \
+                or warmup < 0 or repeat < 1:
+            raise ValueError(f"warmup must be a whole number >= 0 and repeat one >= 1, got warmup={warmup!r}, repeat={repeat!r}")
+        placed = not isinstance(self.compiled, CompiledPipeline)
+        costs = []
+        for i in range(warmup + repeat):
+            args = [_dummy_like(x) for x in self.flat_args]  # fresh each run: the program may donate them
+            if placed:
+                args = jax.block_until_ready([jax.device_put(x, sh) for x, sh in zip(args, self.compiled.in_shardings)])
+            t0 = time.perf_counter()
+            jax.block_until_ready(self.compiled(*args))
+            if i >= warmup:
+                costs.append(time.perf_counter() - t0)
+        return costs
+
     def sync(self) -> None:
         """Wait until every call dispatched so far has finished (Alpa's name)."""
         _TIMER.sync()
@@ -1584,6 +1606,19 @@ class Executable:
             with open(written[-1], "w") as f:
                 f.write(text)
         return written
+
+
+def _dummy_like(x: Any) -> Any:
+    """Zeros of ``x``'s shape and dtype (a Python number's type as ``jax.jit`` takes it); a key array: ``x`` itself,
+    as its bits are not numbers to zero (keys made from abstract shapes: a key of seed 0 of that shape)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return type(x)(0)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        if isinstance(x, jax.Array):
+            return jnp.copy(x)
+        return jnp.broadcast_to(jax.random.key(0), x.shape)
+    return jnp.zeros(x.shape, dtype)
 
 
 def _cut_vars(graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int]:

@@ -466,6 +466,14 @@ def test_execution_time_costs_and_presharded_args():
     assert ex.get_execution_time_costs(warmup=2) == costs[2:]
     with pytest.raises(ValueError, match="only the whole call is timed"):
         ex.get_execution_time_costs(timer_name="compute")
+    # Alpa's other timing: the program on zeros of its shapes, apart from the step's calls and its arguments
+    w_before = np.asarray(w)
+    dummy = ex.profile_with_dummy_inputs(warmup=1, repeat=3)
+    assert len(dummy) == 3 and all(c > 0 for c in dummy)
+    assert len(ex.get_execution_time_costs()) == 5
+    np.testing.assert_array_equal(np.asarray(w), w_before)
+    with pytest.raises(ValueError, match="repeat"):
+        ex.profile_with_dummy_inputs(repeat=0)
     dot = next(o for o in p.current_plan.ops if o.primitive == "dot_general")
     other = next(s.name for s in p.current_plan.problem.nodes[p.current_plan.problem.node_index(dot.name)].strategies
                  if s.name != dot.strategy)
@@ -489,6 +497,7 @@ def test_pipeline_executable_dump_and_counts(tmp_path):
         ex.get_total_allocation_size()
     files = ex.dump_debug_info(str(tmp_path))
     assert os.path.basename(files[0]) == "plan.json" and any("stage1_backward" in f for f in files)
+    assert len(ex.profile_with_dummy_inputs(warmup=1, repeat=2)) == 2  # a whole step of micro-batches on zeros
 
 
 HLO = """
