@@ -24,7 +24,8 @@ import importlib as _importlib
 
 from alpa_lab.cost.cluster import PRESETS, ClusterError, ClusterSpec, LogicalMesh
 from alpa_lab.graph.markers import (
-    automatic_layer_construction, grad, manual_layer_construction, mark_pipeline_boundary, mark_stage_boundary, value_and_grad,
+    automatic_layer_construction, automatic_remat, grad, manual_layer_construction, manual_remat, mark_pipeline_boundary,
+    mark_stage_boundary, value_and_grad,
 )
 from alpa_lab.graph.trace import TraceError, trace
 from alpa_lab.plan import PinError, PipelinePlan, PlacementSpec, Plan, PlanFormatError, count_communication_primitives
@@ -104,6 +105,7 @@ __all__ = [
     "TraceError",
     "VirtualPhysicalMesh",
     "automatic_layer_construction",
+    "automatic_remat",
     "clear_executable_cache",
     "count_communication_primitives",
     "get_global_cluster",
@@ -112,6 +114,7 @@ __all__ = [
     "grad",
     "init",
     "manual_layer_construction",
+    "manual_remat",
     "mark_pipeline_boundary",
     "mark_stage_boundary",
     "parallelize",

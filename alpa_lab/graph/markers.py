@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import math
 import re
 import sys
 import warnings
@@ -49,8 +51,8 @@ from alpa_lab.graph.evaluate import bind_op, evaluate, last_uses
 from alpa_lab.graph.opgraph import Op, is_inexact
 
 __all__ = [
-    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "automatic_layer_construction", "cutting_boundaries", "grad", "is_cut",
-    "manual_layer_construction",
+    "KINDS", "LOSS", "BoundaryFound", "auto_layers", "automatic_layer_construction", "automatic_remat", "cutting_boundaries",
+    "grad", "is_cut", "manual_layer_construction", "manual_remat",
     "forward_layers", "mark_stage_boundary", "pipeline_marker_p",
     "value_and_grad", "watch_boundaries", "watching_boundaries",
 ]
@@ -261,8 +263,9 @@ def _unit_starts(graph: Any, num_layers: int) -> list[int]:
     return list(range(0, K, size))
 
 
-def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Callable:
-    """``fun`` re-run op by op with boundary markers between its ``num_layers`` layers.
+def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict, marked: bool = True, remat: bool | None = None) -> Callable:
+    """``fun`` re-run op by op with boundary markers between its ``num_layers`` layers (``marked=False``: none, for
+    ``automatic_remat``), each layer under ``jax.checkpoint`` with ``remat`` (default: ``auto_layers``' setting).
 
     Returns ``fun`` itself when it already has hand-placed boundaries (the user's layers win)
     or has fewer ops than layers asked for.
@@ -302,7 +305,9 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
             return fun
     bounds = [(starts + [K])[b] for b in cluster_layers(flops, edges, num_layers).boundaries]
     last_use = last_uses(graph)
-    cuts = {b: k for k, b in enumerate(bounds[1:-1], start=1)}
+    cuts = {b: k for k, b in enumerate(bounds[1:-1], start=1)} if marked else {}
+    starts_of_layers = set(bounds[1:-1])
+    remat = _REMAT.get() if remat is None else remat
 
     live: list[int] = []  # op-produced values some later op (or the result) reads
 
@@ -323,8 +328,8 @@ def _layered(fun: Callable, num_layers: int, args: tuple, kwargs: dict) -> Calla
     def layered(*a: Any) -> Any:
         live.clear()
         arrays = static.arrays_of(a)
-        if _REMAT.get():
-            outs = _checkpointed(graph, arrays, starts=set(cuts), ran=ran, before=mark_cut)
+        if remat:
+            outs = _checkpointed(graph, arrays, starts=starts_of_layers, ran=ran, before=mark_cut)
         elif graph.checkpoints:  # the user's own jax.checkpoint bodies stay checkpointed (cut at the layers)
             outs = _checkpointed(graph, arrays, starts=set(cuts), ran=ran, before=mark_cut, regions=graph.checkpoints)
         else:
@@ -359,12 +364,14 @@ def _checkpointed(
     ran: Callable[[Op], None] | None = None,
     before: Callable[[Op, MutableMapping[int, Any]], None] | None = None,
     regions: Sequence[tuple[int, int, Any, bool]] | None = None,
+    drop_cuts: bool = False,
 ) -> list[Any]:
     """``evaluate(graph, ..., scoped=True)`` with each run of ops between boundary markers (and
     between the op indices in ``starts``) as one ``jax.checkpoint`` call; the markers run outside,
     so their mirrors in the backward still delimit the layers. With ``regions`` ((first, end, policy,
     prevent_cse): the user's checkpoints, ``OpGraph.checkpoints``) only their ops are, with their policy.
-    ``ran(op)`` is called for each op once its outputs are in the environment.
+    ``ran(op)`` is called for each op once its outputs are in the environment. ``drop_cuts``: argument-less
+    boundaries delimit the checkpoints and are not run (``manual_remat``'s, which mark no stage).
 
     Under ``trace`` (which keeps the labels, ``segment_labels``), runs of identical ops (a stack of
     equal layers) call one function: JAX then traces, differentiates and transposes the body once
@@ -389,6 +396,9 @@ def _checkpointed(
             before(graph.ops[i], env)
         if _is_boundary(graph.ops[i]) or region_of[i] < 0:
             op = graph.ops[i]
+            if drop_cuts and is_cut(op):
+                i += 1
+                continue
             env.update(zip(op.outputs, bind_op(op, [env[v] for v in op.inputs], scoped=True)))
             if ran is not None:
                 ran(op)
@@ -870,6 +880,99 @@ def automatic_layer_construction(
     if fun is None:
         return lambda f: automatic_layer_construction(f, layer_num=layer_num, remat_layer=remat_layer)
     return _layer_constructed(fun, None if layer_num is None else int(layer_num), remat_layer)
+
+
+def manual_remat(fun: Callable | None = None, *, static_argnums: Sequence[int] = (), lift_markers: bool = False) -> Callable:
+    """Alpa's decorator: ``fun`` with each piece between its ``mark_pipeline_boundary()`` calls under
+    ``jax.checkpoint``, so that the backward recomputes a piece's activations from its inputs instead of keeping
+    them. The argument-less boundaries then only say where to rematerialize (they cut no pipeline stages, as in
+    Alpa; ``manual_layer_construction(remat_layer=True)`` does both). The numbers are ``fun``'s; it works
+    eagerly, under ``jax.jit``/``jax.grad`` and in any plan. ``lift_markers`` is accepted; ``static_argnums`` is
+    not (Python values are kept static as they are)."""
+    _no_static_argnums("manual_remat", static_argnums)
+    if fun is None:
+        return lambda f: manual_remat(f, lift_markers=lift_markers)
+    _check_callable("manual_remat", fun)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kw: Any) -> Any:
+        return _remat_at_boundaries(fun, args, kw)
+
+    return wrapped
+
+
+def automatic_remat(
+    fun: Callable | None = None, *, static_argnums: Sequence[int] = (), layer_num: int | str | None = None,
+    eps: float = 0.6, cost_criteria: str = "flops", layer_eps: float = 0.0,
+) -> Callable:
+    """Alpa's decorator: ``fun`` cut into ``layer_num`` layers of balanced cost (as ``automatic_layer_construction``
+    cuts it), each under ``jax.checkpoint``, with no stage boundaries between them. ``layer_num="auto"`` (or
+    None): about the square root of the number of pieces the program can be cut into (Chen et al.'s rule, which
+    keeps O(sqrt n) activations; Alpa searches for it instead). A function with its own
+    ``mark_pipeline_boundary()`` calls is rematerialized at those (``manual_remat``). ``eps``, ``cost_criteria``
+    and ``layer_eps`` are accepted, as in ``automatic_layer_construction``."""
+    _no_static_argnums("automatic_remat", static_argnums)
+    if layer_num is not None and layer_num != "auto" and (
+            isinstance(layer_num, bool) or not isinstance(layer_num, (int, np.integer)) or layer_num < 1):
+        raise ValueError(f"automatic_remat(layer_num=...) must be a positive integer or 'auto', got {layer_num!r}")
+    if fun is None:
+        return lambda f: automatic_remat(f, layer_num=layer_num)
+    _check_callable("automatic_remat", fun)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kw: Any) -> Any:
+        with _unwatched():
+            num = layer_num
+            if num is None or num == "auto":
+                static = _Static(args)
+                graph = _trace_alone(_NNXHandBack(fun, static, kw).traced, static.arrays)
+                if any(is_cut(op) for op in graph.ops):
+                    return _remat_at_boundaries(fun, args, kw)
+                num = max(1, round(math.sqrt(len(_unit_starts(graph, 1)))))
+            token = _LAYERS_ASKED.set(layer_num not in (None, "auto"))
+            try:
+                f = _layered(fun, int(num), args, kw, marked=False, remat=True) if num > 1 else fun
+            finally:
+                _LAYERS_ASKED.reset(token)
+            if f is fun:
+                return _remat_at_boundaries(fun, args, kw)
+            return f(*args)
+
+    return wrapped
+
+
+def _check_callable(where: str, fun: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"{where} decorates a function (the loss function), got {type(fun).__name__}: {fun!r}")
+
+
+@contextlib.contextmanager
+def _unwatched() -> Iterator[None]:
+    """Within this block a function traced on its own (by a remat decorator) is not the enclosing plan's trace: its
+    argument-less boundaries are ops of its program, not calls that plan watches or cuts."""
+    calls, cutting = _CALLS.set(None), _CUTTING.set(False)
+    try:
+        yield
+    finally:
+        _CUTTING.reset(cutting)
+        _CALLS.reset(calls)
+
+
+def _trace_alone(fn: Callable, arrays: Sequence[Any]) -> Any:
+    from alpa_lab.graph.trace import trace
+
+    with _unwatched():
+        return trace(fn, *arrays, traced_consts=True, cut=False)
+
+
+def _remat_at_boundaries(fun: Callable, args: tuple, kw: dict) -> Any:
+    """``fun(*args, **kw)`` re-run with the ops between its boundaries under ``jax.checkpoint`` and its argument-less
+    boundaries dropped (one piece, all checkpointed, when it has none)."""
+    static = _Static(args)
+    hand_back = _NNXHandBack(fun, static, kw)
+    graph = _trace_alone(hand_back.traced, static.arrays)
+    outs = _checkpointed(graph, static.arrays, starts=set(), drop_cuts=True)
+    return hand_back.handed_back(args, jax.tree_util.tree_unflatten(graph.out_tree, outs))
 
 
 def _no_static_argnums(where: str, static_argnums: Sequence[int]) -> None:
