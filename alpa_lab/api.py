@@ -502,6 +502,7 @@ class ParallelizedStep:
         alpa_default = method is None
         batch_mesh_axis = None
         forbidden: tuple[str, ...] = ()
+        manual_sharding = None
         stage_inputs: tuple[tuple[str, ...], ...] | None = None
         cluster, runs_on = cluster_argument(cluster)
         method = "alpa" if method is None else method  # Alpa's parallelize(method=None): ShardParallel()
@@ -527,6 +528,7 @@ class ParallelizedStep:
             logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
             stage_inputs = opts.get("stage_input_shardings")
             batch_mesh_axis = opts.get("batch_mesh_axis")
+            manual_sharding = opts.get("manual_sharding")
             forbidden = opts.get("forbidden", ())
             if "cluster" in opts:  # the method's devices= (Alpa's device meshes) say the cluster and maybe the grid
                 if cluster is not None or mesh_shape is not None:
@@ -614,6 +616,8 @@ class ParallelizedStep:
         self.mesh_shape = mesh_shape
         self.method = method
         self.batch_mesh_axis: int | None = batch_mesh_axis
+        self.manual_sharding = manual_sharding
+        """Alpa's ``ManualShardingOption``: pins of the arguments and results, on the cluster's (hosts x devices) mesh"""
         """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): the plan's mesh, or every stage's"""
         self.forbidden_collectives: tuple[str, ...] = forbidden
         """collective kinds the plan may not issue (a method object's ``AutoShardingOption(allow_all_gather=False,
@@ -950,6 +954,9 @@ class ParallelizedStep:
             cluster, mesh_shape, followed = self.cluster, self.mesh_shape, {}
             if isinstance(self.parallel_method, FollowParallel):
                 cluster, mesh_shape, followed = self._follow(args)
+            if self.manual_sharding is not None:  # its axis names are of one mesh: Alpa's, the cluster's hosts x devices
+                mesh_shape = mesh_shape or (cluster.hosts, cluster.devices_per_host)
+                followed = self._manual_pins(args, mesh_shape)
             plan = plan_graph(
                 self.trace(*args),
                 cluster,
@@ -967,6 +974,14 @@ class ParallelizedStep:
                 _keep(self._own_plans, plan.fingerprint, plan, OWN_PLANS_KEPT)
         self.current_plan = plan
         return plan
+
+    def _manual_pins(self, args: tuple, mesh_shape: tuple[int, int]) -> dict[str, str]:
+        """``ManualShardingOption``'s resources as pins of this program's arguments and results."""
+        graph = self.trace(*args)
+        results = jax.tree_util.tree_unflatten(graph.out_tree, [0] * len(graph.outvars))
+        return self.manual_sharding.pins(
+            graph.in_paths, [graph.vars[v].shape for v in graph.invars], args,
+            graph.out_paths, [graph.vars[v].shape for v in graph.outvars], results, mesh_shape)
 
     def _follow(self, args: tuple, pipeline: bool = False) -> tuple[ClusterSpec, tuple[int, int] | None, dict[str, str]]:
         """``FollowParallel``: the source's cluster and mesh, and a pin per argument leaf holding it as the

@@ -49,6 +49,8 @@ __all__ = [
     "FollowParallel",
     "ManualLayerOption",
     "ManualPipeshardParallel",
+    "ManualShardingOption",
+    "UNSPECIFIED",
     "LocalPhysicalDeviceMesh",
     "LogicalDeviceMesh",
     "ManualStageOption",
@@ -382,6 +384,121 @@ class ParallelMethod:
         raise NotImplementedError
 
 
+class _Unspecified:
+    """A placement left to the planner (pjit's and Alpa's ``UNSPECIFIED``; ``None`` there means replicated)."""
+
+    def __repr__(self) -> str:
+        return "UNSPECIFIED"
+
+
+UNSPECIFIED = _Unspecified()
+
+
+def _is_unspecified(x: Any) -> bool:
+    return x is UNSPECIFIED or type(x).__name__ in ("UnspecifiedValue", "_UnspecifiedValue")
+
+
+@dataclass(frozen=True)
+class ManualShardingOption:
+    """Alpa's manual shardings for ``ShardParallel``, in pjit's terms: ``mesh_axis_names`` name the axes of the
+    plan's logical mesh (rows, columns); ``in_axis_resources`` gives, per argument (a prefix of the arguments'
+    tree), a ``jax.sharding.PartitionSpec`` over those names, ``None`` for replicated or ``UNSPECIFIED`` for the
+    planner's choice; ``out_axis_resources`` the same for the results. They become pins (``plan.pins``: an
+    argument's path, a result's ``output <path>``), so the ILP plans everything else around them and a later
+    ``plan.unpin`` can free one. ``submesh_axis_names`` (a pipeline's) is not supported."""
+
+    mesh_axis_names: Sequence[str] | None = None
+    submesh_axis_names: Any = None
+    in_axis_resources: Any = UNSPECIFIED
+    out_axis_resources: Any = UNSPECIFIED
+
+    def __post_init__(self) -> None:
+        names = self.mesh_axis_names
+        if names is None or isinstance(names, str) or not all(isinstance(n, str) for n in names) or not 1 <= len(names) <= 2 \
+                or len(set(names)) != len(names):
+            raise MethodOptionError(
+                f"ManualShardingOption(mesh_axis_names=...) names the logical mesh's axes, one or two distinct strings "
+                f"(e.g. ('data', 'model')), got {names!r}")
+        if self.submesh_axis_names is not None:
+            raise MethodOptionError(
+                "ManualShardingOption(submesh_axis_names=...) sets a pipeline's stage meshes, which is not supported: plan "
+                "the stages' inputs with PipeshardParallel(stage_input_shardings=...) or pin them on the plan")
+
+    def mesh_axes(self, mesh_shape: tuple[int, int]) -> dict[str, int]:
+        """Each name's axis of the plan's ``mesh_shape``: two names are (rows, columns); one is the mesh's axis of
+        more than one device (the columns of a 1 x n mesh)."""
+        names = tuple(self.mesh_axis_names)
+        if len(names) == 2:
+            return {names[0]: 0, names[1]: 1}
+        wide = [a for a in (0, 1) if mesh_shape[a] > 1]
+        if len(wide) > 1:
+            raise MethodOptionError(
+                f"ManualShardingOption names one mesh axis ({names[0]!r}) but the plan's mesh is {mesh_shape[0]}x{mesh_shape[1]}: "
+                "name both axes (rows, columns)")
+        return {names[0]: wide[0] if wide else 1}
+
+    def pins(self, in_paths: Sequence[str], in_shapes: Sequence[tuple[int, ...]], args: tuple,
+             out_paths: Sequence[str], out_shapes: Sequence[tuple[int, ...]], results: Any,
+             mesh_shape: tuple[int, int]) -> dict[str, str]:
+        """The pins these resources mean for a step called with ``args`` (whose flat leaves are ``in_paths`` of
+        ``in_shapes``) returning ``results`` (``out_paths`` of ``out_shapes``), planned on ``mesh_shape``."""
+        axes = self.mesh_axes(mesh_shape)
+        pins: dict[str, str] = {}
+        for what, resources, tree, paths, shapes, key in (
+                ("in_axis_resources", self.in_axis_resources, tuple(args), in_paths, in_shapes, ""),
+                ("out_axis_resources", self.out_axis_resources, results, out_paths, out_shapes, "output ")):
+            flat = _per_leaf(resources, tree, what)
+            for path, shape, spec in zip(paths, shapes, flat):
+                if not _is_unspecified(spec):
+                    pins[key + path] = _spec_text(spec, shape, axes, mesh_shape, f"{what} for {path}")
+        return pins
+
+
+def _is_resource(x: Any) -> bool:
+    import jax
+
+    return x is None or _is_unspecified(x) or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _per_leaf(resources: Any, tree: Any, what: str) -> list[Any]:
+    """``resources`` (a prefix of ``tree``: one entry may stand for a whole subtree) as one entry per leaf of ``tree``."""
+    import jax
+
+    n = len(jax.tree_util.tree_leaves(tree))
+    if _is_resource(resources):  # one for everything (a function of one argument passes it bare, as pjit allows)
+        return [resources] * n
+    if isinstance(tree, tuple) and isinstance(resources, list):
+        resources = tuple(resources)
+    try:
+        groups = jax.tree_util.tree_map(lambda r, sub: [r] * len(jax.tree_util.tree_leaves(sub)), resources, tree, is_leaf=_is_resource)
+    except (ValueError, TypeError) as exc:
+        raise MethodOptionError(
+            f"ManualShardingOption({what}=...) must have the structure of the step's "
+            f"{'arguments' if what.startswith('in') else 'results'} (or a prefix of it), with a PartitionSpec, None "
+            f"(replicated) or UNSPECIFIED at each place; they are {jax.tree_util.tree_structure(tree)} "
+            f"({str(exc).splitlines()[0]})") from exc
+    flat = jax.tree_util.tree_leaves(groups, is_leaf=lambda x: isinstance(x, list))
+    return [r for group in flat for r in group]
+
+
+def _spec_text(spec: Any, shape: tuple[int, ...], axes: Mapping[str, int], mesh_shape: tuple[int, int], where: str) -> str:
+    """A PartitionSpec over named mesh axes as this planner's sharding spec text (``P(None, 'model')`` -> ``"RS1"``).
+    An axis of one device splits nothing: it is left out (a 1 x 8 mesh's ``P('data')`` is replicated)."""
+    if spec is None or len(spec) == 0:
+        return "R" * len(shape) or "-"
+    if len(spec) > len(shape):
+        raise MethodOptionError(f"{where}: {spec} has {len(spec)} entries for a tensor of rank {len(shape)} {tuple(shape)}")
+    tokens = []
+    for entry in tuple(spec) + (None,) * (len(shape) - len(spec)):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        unknown = [n for n in names if n not in axes]
+        if unknown:
+            raise MethodOptionError(f"{where}: {spec} names mesh axis {unknown[0]!r}; the mesh's axes are {', '.join(map(repr, axes))}")
+        split = [axes[n] for n in names if mesh_shape[axes[n]] > 1]
+        tokens.append("S" + "".join(map(str, split)) if split else "R")
+    return "".join(tokens)
+
+
 def _no_manual_sharding(option: Any, name: str) -> None:
     if option is not None:
         raise MethodOptionError(
@@ -560,8 +677,15 @@ class ShardParallel(ParallelMethod):
         return self.auto_sharding_option
 
     def options(self) -> dict[str, Any]:
-        _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
+        if self.manual_sharding_option is not None:
+            if not isinstance(self.manual_sharding_option, ManualShardingOption):
+                raise MethodOptionError(f"ShardParallel(manual_sharding_option=...) takes a ManualShardingOption, got "
+                                        f"{type(self.manual_sharding_option).__name__}")
+            if self.num_micro_batches not in (None, 1):
+                raise MethodOptionError("ShardParallel(manual_sharding_option=...) with num_micro_batches is not supported: "
+                                        "drop one of them")
+            out["manual_sharding"] = self.manual_sharding_option
         out.update(_mesh_options(self.devices, type(self).__name__))
         axis = _mesh_axis_option(self.auto_sharding_option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
         if axis != -1 and out["method"] == "alpa":  # force_data_parallel / ZeRO: the batch over every device

@@ -610,8 +610,10 @@ def solve_strategy_graph(
     pins = dict(pins or {})
     restrictions = dict(restrictions or {})
     allowed = allowed_strategies(sg, pins, restrictions)
+    pins, layouts = split_output_pins(sg, pins)
     try:
-        sol = solve(sg.cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
+        cost_graph = _with_output_layouts(sg, layouts) if layouts else sg.cost_graph
+        sol = solve(cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
     except InfeasibleError as exc:
         if pins:
             conflict = _conflicting_pins(sg, pins, restrictions, memory_budget, time_limit)
@@ -644,6 +646,60 @@ def group_choices(sg: StrategyGraph, gindex: Mapping[int, int], n: int, strategi
     return gindex[int(sg.group_of_node[n])], {r for r, m in enumerate(sg.member_map[n]) if int(m) in strategies}
 
 
+OUTPUT_PIN = "output "
+"""Prefix of a pin on a result of the step (``"output [1]": "S0R"``, Alpa's ``out_axis_resources``): the layout the
+result is returned in. It fixes no op: the ILP pays the resharding from whatever the op making it gives."""
+
+
+def split_output_pins(sg: StrategyGraph, pins: Mapping[str, str]) -> tuple[dict[str, str], dict[int, ShardingSpec]]:
+    """``pins`` as the nodes' pins and the layouts of pinned results (output position -> spec), checked."""
+    node_pins: dict[str, str] = {}
+    layouts: dict[int, ShardingSpec] = {}
+    for name, text in pins.items():
+        if not name.startswith(OUTPUT_PIN):
+            node_pins[name] = text
+            continue
+        path = name[len(OUTPUT_PIN):]
+        if path not in sg.out_paths:
+            raise PinError(f"the step has no result {path!r} to pin; its results are {', '.join(sg.out_paths) or 'none'}", (name,))
+        pos = sg.out_paths.index(path)
+        v = sg.outvars[pos]
+        if v not in sg.node_of_var:
+            raise PinError(f"result {path} is a constant of the program: it has no layout to pin", (name,))
+        shape = sg.var_info[v][0]
+        try:
+            spec = ShardingSpec.parse(text)
+            if spec.rank != len(shape) or not spec.is_valid_for(shape, sg.mesh.shape):
+                raise ValueError(f"it does not fit a tensor of shape {tuple(shape)} on a {sg.mesh.shape[0]}x{sg.mesh.shape[1]} mesh")
+        except ValueError as exc:
+            raise PinError(f"result {path} cannot be returned as {text!r}: {exc}", (name,)) from exc
+        layouts[pos] = spec
+    return node_pins, layouts
+
+
+def output_layout_edges(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec]) -> list[OperandEdge]:
+    """An edge per pinned result, from the op making it to the program's output (``operand`` -1: no node)."""
+    return [OperandEdge(*sg.node_of_var[sg.outvars[pos]], -1 - pos, -1, sg.outvars[pos]) for pos in sorted(layouts)]
+
+
+def _with_output_layouts(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec]) -> CostGraph:
+    """The cost graph with, on the op making each pinned result, the resharding into its pinned layout."""
+    costs = list(sg.cost_graph.node_costs)
+    gindex = group_index(sg.group_of_node)
+    for pos, dst in layouts.items():
+        v = sg.outvars[pos]
+        n, out = sg.node_of_var[v]
+        shape, itemsize = sg.var_info[v]
+        price: dict[ShardingSpec, float] = {}
+        for s in sg.nodes[n].strategies:
+            if s.output_specs[out] not in price:
+                price[s.output_specs[out]] = resharding(s.output_specs[out], dst, shape, itemsize, sg.mesh).cost
+        vec = np.array([price[s.output_specs[out]] for s in sg.nodes[n].strategies])
+        g = gindex[int(sg.group_of_node[n])]
+        costs[g] = costs[g] + vec[sg.member_map[n]]
+    return dataclasses.replace(sg.cost_graph, node_costs=tuple(costs))
+
+
 def allowed_strategies(
     sg: StrategyGraph, pins: Mapping[str, str], restrictions: Mapping[str, Collection[str]] | None = None
 ) -> dict[int, set[int]]:
@@ -654,6 +710,8 @@ def allowed_strategies(
         node = sg.nodes[sg.node_index(name)]
         wanted[name] = ({node.strategy_index(x) for x in names}, "restriction")
     for name, strategy in pins.items():
+        if name.startswith(OUTPUT_PIN):  # a result's layout: priced on the op making it (``_with_output_layouts``)
+            continue
         node = sg.nodes[sg.node_index(name)]
         j = {node.strategy_index(strategy)}
         prev = wanted.get(name, (j, ""))[0]

@@ -23,7 +23,10 @@ from typing import Any, Callable, Mapping
 
 from alpa_lab.graph.analysis import batch_dimension
 from alpa_lab.passes.ilp import ILP_TIME_LIMIT
-from alpa_lab.passes.intra_op import IntraOpSolution, StrategyGraph, group_choices, group_index, solve_strategy_graph
+from alpa_lab.passes.intra_op import (
+    IntraOpSolution, StrategyGraph, OUTPUT_PIN, group_choices, group_index, output_layout_edges, solve_strategy_graph,
+    split_output_pins,
+)
 from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
 from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.spec import ShardingSpec
@@ -301,8 +304,9 @@ def batch_op_restrictions(
         n = sg.node_index(name)
         admit(n, {j for j, s in enumerate(sg.nodes[n].strategies) if s.name in names})
     for name, strategy in pins.items():
-        n = sg.node_index(name)
-        admit(n, {sg.nodes[n].strategy_index(strategy)})
+        if not name.startswith(OUTPUT_PIN):  # a result's layout fixes no op
+            n = sg.node_index(name)
+            admit(n, {sg.nodes[n].strategy_index(strategy)})
     batched: dict[int, dict[int, int]] = {}  # op node -> its outputs' batch dimensions
     for vid, d in dims.items():
         n, pos = sg.node_of_var[vid]
@@ -398,14 +402,19 @@ def shard_weight_update(
     return MethodSolution(rewritten, {**given, **restrictions, **{k: (v,) for k, v in keep.items()}}, tuple(rewrites))
 
 
-def _reshardings(sg: StrategyGraph, choice: tuple[int, ...]) -> list[tuple[Any, ShardingSpec, ShardingSpec, tuple]]:
-    """(edge, source spec, target spec, collectives) of each resharding a choice makes that communicates. XLA
-    reshards a tensor once per target spec, however many consumers want it."""
+def _reshardings(
+    sg: StrategyGraph, choice: tuple[int, ...], layouts: Mapping[int, ShardingSpec] | None = None,
+) -> list[tuple[Any, ShardingSpec, ShardingSpec, tuple]]:
+    """(edge, source spec, target spec, collectives) of each resharding a choice makes that communicates (and into
+    the ``layouts`` of pinned results, ``split_output_pins``). XLA reshards a tensor once per target spec, however
+    many consumers want it."""
     out, seen = [], set()
-    for e in sg.edges:
+    for e in (*sg.edges, *output_layout_edges(sg, layouts or {})):
         src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
         if e.consumer >= 0:
             dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
+        elif e.operand < 0:  # a pinned result
+            dst = layouts[-1 - e.consumer]
         else:
             dst = sg.nodes[e.operand].strategies[choice[e.operand]].output_specs[0]
         if src == dst or (e.var, dst) in seen:
@@ -460,7 +469,8 @@ def make_plan(
             )
         )
     reshardings = []
-    for e, src, dst, collectives in _reshardings(sg, choice):
+    layouts = split_output_pins(sg, pins)[1]  # results pinned to a layout (Alpa's out_axis_resources)
+    for e, src, dst, collectives in _reshardings(sg, choice, layouts):
         consumer = sg.nodes[e.consumer].name if e.consumer >= 0 else f"output {out_paths[-1 - e.consumer]}"
         shape = sg.var_info[e.var][0]
         reshardings.append(ReshardingPlan(sg.nodes[e.producer].name, consumer, shape, sg.var_dtype[e.var], str(src), str(dst), collectives))
@@ -474,7 +484,9 @@ def make_plan(
     outputs = []
     for pos, (path, v) in enumerate(zip(out_paths, sg.outvars)):
         shape = sg.var_info[v][0]
-        if pos in sg.aliases and sg.aliases[pos] in spec_of_var:
+        if pos in layouts:
+            spec = str(layouts[pos])
+        elif pos in sg.aliases and sg.aliases[pos] in spec_of_var:
             spec = spec_of_var[sg.aliases[pos]]
         else:
             spec = spec_of_var.get(v, "R" * len(shape) or "-")
