@@ -345,6 +345,21 @@ def get_global_virtual_physical_mesh() -> Any:
         return mesh if mesh is not None and mesh.cluster is ray_cluster else ray_cluster.get_virtual_physical_mesh()
 
 
+def get_global_physical_mesh(create_if_not_exist: bool = False) -> Any:
+    """Alpa's name: the devices steps without a cluster of their own run on. Under ``init("ray")``, the global
+    virtual mesh (``get_global_virtual_physical_mesh``), whose mesh workers run them; under ``init("local")``
+    this process's devices as a ``LocalPhysicalDeviceMesh``; before ``init``, that too with
+    ``create_if_not_exist``, else None (as Alpa's, which makes its mesh only when asked)."""
+    from alpa_lab.parallel_method import LocalPhysicalDeviceMesh
+
+    with _SESSION_LOCK:
+        if _session_cluster()[1] is not None:
+            return get_global_virtual_physical_mesh()
+        if _SESSION.kind == "local" or create_if_not_exist:
+            return LocalPhysicalDeviceMesh()
+        return None
+
+
 def set_global_virtual_physical_mesh(mesh: Any) -> None:
     """Alpa's name: steps without a cluster of their own plan for ``mesh`` (part of ``init("ray")``'s cluster,
     ``get_global_cluster().get_virtual_physical_mesh(host_ids, num_devices_per_host)``) and run on its mesh

@@ -97,3 +97,33 @@ def test_without_prefetch_each_batch_is_read_when_asked_for_and_bad_input_is_ref
                                   is_leaf=lambda s: hasattr(s, "mesh_ids"))
     with pytest.raises(ValueError, match="has no shardings"):
         al.DataLoader(batches, bare)
+
+
+def test_mesh_driver_data_loader_asks_for_every_sample_and_repeats():
+    """Alpa's loader for per-host data: its ``input_iter_func(start, end, batch_size)`` is asked for all the samples
+    (one process holds every device), the batches arrive placed and equal to the host's, and ``repeat`` starts over."""
+    state, batches, train_step = setup()
+    step = al.parallelize(train_step, method=al.DataParallel())
+    specs = step.get_executable(state, batches[0]).get_input_placement_specs()[1]
+    rng = np.random.default_rng(1)
+    xs, ys = rng.standard_normal((256, 32)).astype(np.float32), rng.standard_normal((256, 16)).astype(np.float32)
+    asked = []
+
+    def input_iter_func(start, end, batch_size):
+        asked.append((start, end, batch_size))
+        for i in range(start, end, batch_size):
+            yield {"x": xs[i:i + batch_size], "y": ys[i:i + batch_size]}
+
+    loader = al.MeshDriverDataLoader(64, 256, input_iter_func, specs, prefetch_size=2)
+    got = list(loader)
+    assert asked == [(0, 256, 64)] and len(got) == len(loader) == 4
+    for k, batch in enumerate(got):
+        assert batch["x"].sharding == jax.tree_util.tree_leaves(specs, is_leaf=lambda s: hasattr(s, "mesh_ids"))[0].shardings[0]
+        np.testing.assert_array_equal(np.asarray(batch["x"]), xs[64 * k:64 * (k + 1)])
+    endless = iter(al.MeshDriverDataLoader(64, 256, input_iter_func, specs, repeat=True))
+    again = [next(endless) for _ in range(6)]  # past the end: the first samples again
+    np.testing.assert_array_equal(np.asarray(again[4]["x"]), xs[:64])
+    with pytest.raises(ValueError, match="batch_size must be a positive whole number"):
+        al.MeshDriverDataLoader(0, 256, input_iter_func, specs)
+    with pytest.raises(ValueError, match="yielded 1 batches, not the 4"):
+        list(al.MeshDriverDataLoader(64, 256, lambda s, e, b: iter([{"x": xs[:64], "y": ys[:64]}]), specs))

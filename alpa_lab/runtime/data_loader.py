@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "MeshDriverDataLoader"]
 
 
 def _is_spec(x: Any) -> bool:
@@ -79,3 +79,50 @@ class DataLoader:
             yield batch
             if not self.prefetch_size:
                 enqueue(1)
+
+
+class MeshDriverDataLoader(DataLoader):
+    """``MeshDriverDataLoader(batch_size, num_samples, input_iter_func, placement_specs, prefetch_size=1, repeat=False)``,
+    as Alpa's, for data each host makes itself: ``input_iter_func(start, end, batch_size)`` yields the batches of
+    samples ``start`` to ``end - 1``, ``batch_size`` rows each. This process holds every device it plans for, so it
+    is asked for all ``num_samples`` (Alpa's hosts each ask for their share); ``num_samples // batch_size``
+    batches are taken, each placed as ``placement_specs`` say (``DataLoader``), and with ``repeat`` the loader
+    starts over after the last one, without end."""
+
+    def __init__(self, batch_size: int, num_samples: int, input_iter_func: Any, placement_specs: Any,
+                 prefetch_size: int = 1, repeat: bool = False):
+        for name, value in (("batch_size", batch_size), ("num_samples", num_samples)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if num_samples < batch_size:
+            raise ValueError(f"num_samples={num_samples} holds no batch of batch_size={batch_size}: give at least one batch's samples")
+        if not callable(input_iter_func):
+            raise TypeError(f"input_iter_func must be a function (start, end, batch_size) -> iterator of batches, got "
+                            f"{type(input_iter_func).__name__}")
+        self.batch_size, self.num_samples, self.repeat = int(batch_size), int(num_samples), bool(repeat)
+        self.input_iter_func = input_iter_func
+        super().__init__(_Epochs(self), placement_specs, prefetch_size)
+
+    def __len__(self) -> int:
+        """Batches in one pass (Alpa's ``len``), endless or not."""
+        return self.num_samples // self.batch_size
+
+
+class _Epochs:
+    """The batches of ``MeshDriverDataLoader``: one pass of ``input_iter_func``, or passes without end with ``repeat``."""
+
+    def __init__(self, loader: MeshDriverDataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = self.loader
+        while True:
+            taken = 0
+            for batch in itertools.islice(loader.input_iter_func(0, loader.num_samples, loader.batch_size), len(loader)):
+                taken += 1
+                yield batch
+            if taken < len(loader):
+                raise ValueError(f"input_iter_func(0, {loader.num_samples}, {loader.batch_size}) yielded {taken} batches, "
+                                 f"not the {len(loader)} of {loader.num_samples} samples in batches of {loader.batch_size}")
+            if not loader.repeat:
+                return
