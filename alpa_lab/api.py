@@ -30,14 +30,14 @@ from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import (
     LostUpdatesError, TraceError, _path_str, args_signature, leaf_aval, static_hint, trace, with_nnx_changes, write_back_nnx,
 )
-from alpa_lab.passes.intra_op import build_strategy_graph
+from alpa_lab.passes.intra_op import OUTPUT_PIN, build_strategy_graph
 from alpa_lab.passes.ilp import InfeasibleError
 from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
 from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod, PlanMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import INFERENCE, SCHEDULES
 from alpa_lab.passes.submesh import check_submesh_space
-from alpa_lab.plan import PipelinePlan, Plan, PlanFormatError
+from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError
 from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.runtime.apply import CompiledPlan, call_compiled, compile_plan
@@ -345,19 +345,27 @@ def get_global_virtual_physical_mesh() -> Any:
         return mesh if mesh is not None and mesh.cluster is ray_cluster else ray_cluster.get_virtual_physical_mesh()
 
 
+_PHYSICAL_MESH: list = [None, None]
+"""[session generation, the mesh ``get_global_physical_mesh`` made in it]"""
+
+
 def get_global_physical_mesh(create_if_not_exist: bool = False) -> Any:
-    """Alpa's name: the devices steps without a cluster of their own run on. Under ``init("ray")``, the global
-    virtual mesh (``get_global_virtual_physical_mesh``), whose mesh workers run them; under ``init("local")``
-    this process's devices as a ``LocalPhysicalDeviceMesh``; before ``init``, that too with
-    ``create_if_not_exist``, else None (as Alpa's, which makes its mesh only when asked)."""
+    """Alpa's name: the devices steps without a cluster of their own run on, made once per session as Alpa's is.
+    Under ``init("ray")`` the global virtual mesh (``get_global_virtual_physical_mesh``), whose mesh workers run
+    them, once asked for (``create_if_not_exist``); under ``init("local")`` this process's devices as a
+    ``LocalPhysicalDeviceMesh``; before ``init``, that too once asked for. Otherwise None."""
     from alpa_lab.parallel_method import LocalPhysicalDeviceMesh
 
     with _SESSION_LOCK:
-        if _session_cluster()[1] is not None:
-            return get_global_virtual_physical_mesh()
-        if _SESSION.kind == "local" or create_if_not_exist:
-            return LocalPhysicalDeviceMesh()
-        return None
+        generation, ray_cluster = _session_cluster()
+        if _PHYSICAL_MESH[0] == generation and _PHYSICAL_MESH[1] is not None:
+            return _PHYSICAL_MESH[1]
+        if ray_cluster is not None:
+            mesh = get_global_virtual_physical_mesh() if create_if_not_exist else None
+        else:
+            mesh = LocalPhysicalDeviceMesh() if create_if_not_exist or _SESSION.kind == "local" else None
+        _PHYSICAL_MESH[:] = [generation, mesh]
+        return mesh
 
 
 def set_global_virtual_physical_mesh(mesh: Any) -> None:
@@ -891,6 +899,10 @@ class ParallelizedStep:
                     return self._splits[key]
 
     def _plan_pipeline(self, args: tuple, pins: Mapping[str, str] | None, progress: Callable[[str], None] | None) -> PipelinePlan:
+        results = [k for k in pins or {} if k.startswith(OUTPUT_PIN)]
+        if results:  # each stage returns its own results: there is no one program output to lay out
+            raise PinError(f"{results[0]!r}: a pipeline's results cannot be pinned to a layout (that is a single-mesh "
+                           "plan's pin); pin the op that makes it in its stage", tuple(results))
         t0 = time.perf_counter()
         graph = self.trace(*args)
         split = self._split(*args)
@@ -994,9 +1006,13 @@ class ParallelizedStep:
         """``ManualShardingOption``'s resources as pins of this program's arguments and results."""
         graph = self.trace(*args)
         results = jax.tree_util.tree_unflatten(graph.out_tree, [0] * len(graph.outvars))
+        outs = list(zip(graph.out_paths, graph.outvars))
+        if self.hands_back_nnx:  # traced as (the NNX objects' new state, the step's result): the user's results only
+            results = results[-1]
+            outs = outs[len(outs) - len(jax.tree_util.tree_leaves(results)):]
         return self.manual_sharding.pins(
             graph.in_paths, [graph.vars[v].shape for v in graph.invars], args,
-            graph.out_paths, [graph.vars[v].shape for v in graph.outvars], results, mesh_shape)
+            [p for p, _ in outs], [graph.vars[v].shape for _, v in outs], results, mesh_shape)
 
     def _follow(self, args: tuple, pipeline: bool = False) -> tuple[ClusterSpec, tuple[int, int] | None, dict[str, str]]:
         """``FollowParallel``: the source's cluster and mesh, and a pin per argument leaf holding it as the
@@ -1438,8 +1454,9 @@ class ParallelizedStep:
             raise ValueError("this step was never traced: pass its arguments, step.recalibrate(profile, state, batch)")
         cluster = profile.cluster()
         graph = self.trace(*(args or tuple(self._last_args)))
-        new = plan_graph(
-            graph, cluster, mesh_shape=self.mesh_shape, method=plan.method, memory_budget=plan.memory_budget,
+        new = plan_graph(  # manual shardings name the axes of the plan's mesh: that one
+            graph, cluster, mesh_shape=tuple(plan.mesh_shape) if self.manual_sharding is not None else self.mesh_shape,
+            method=plan.method, memory_budget=plan.memory_budget,
             pins=dict(plan.pins) or None, batch_vars=self._batch_vars(args or tuple(self._last_args)),
             batch_mesh_axis=plan.batch_mesh_axis, forbidden=plan.forbidden_collectives,
         )
@@ -1647,7 +1664,9 @@ def _dummy_like(x: Any) -> Any:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         if isinstance(x, jax.Array):
             return jnp.copy(x)
-        return jnp.broadcast_to(jax.random.key(0), x.shape)
+        return jnp.broadcast_to(jax.random.key(0, impl=getattr(dtype, "_impl", None)), x.shape)  # its own PRNG
+    if getattr(x, "weak_type", False) and tuple(x.shape) == ():  # a Python number's place: one, or the jit compiles anew
+        return np.zeros((), dtype).item()
     return jnp.zeros(x.shape, dtype)
 
 

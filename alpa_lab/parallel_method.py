@@ -448,6 +448,8 @@ class ManualShardingOption:
                 ("in_axis_resources", self.in_axis_resources, tuple(args), in_paths, in_shapes, ""),
                 ("out_axis_resources", self.out_axis_resources, results, out_paths, out_shapes, "output ")):
             flat = _per_leaf(resources, tree, what)
+            if len(flat) != len(paths):  # the tree given is not the traced program's (a bug of ours, said)
+                raise MethodOptionError(f"ManualShardingOption({what}=...): {len(flat)} places for {len(paths)} tensors")
             for path, shape, spec in zip(paths, shapes, flat):
                 if not _is_unspecified(spec):
                     pins[key + path] = _spec_text(spec, shape, axes, mesh_shape, f"{what} for {path}")
@@ -470,15 +472,23 @@ def _per_leaf(resources: Any, tree: Any, what: str) -> list[Any]:
     if isinstance(tree, tuple) and isinstance(resources, list):
         resources = tuple(resources)
     try:
-        groups = jax.tree_util.tree_map(lambda r, sub: [r] * len(jax.tree_util.tree_leaves(sub)), resources, tree, is_leaf=_is_resource)
+        groups = jax.tree_util.tree_map(lambda r, sub: _Leaves(r, len(jax.tree_util.tree_leaves(sub))), resources, tree,
+                                        is_leaf=_is_resource)
     except (ValueError, TypeError) as exc:
         raise MethodOptionError(
             f"ManualShardingOption({what}=...) must have the structure of the step's "
             f"{'arguments' if what.startswith('in') else 'results'} (or a prefix of it), with a PartitionSpec, None "
             f"(replicated) or UNSPECIFIED at each place; they are {jax.tree_util.tree_structure(tree)} "
             f"({str(exc).splitlines()[0]})") from exc
-    flat = jax.tree_util.tree_leaves(groups, is_leaf=lambda x: isinstance(x, list))
-    return [r for group in flat for r in group]
+    flat = jax.tree_util.tree_leaves(groups, is_leaf=lambda x: isinstance(x, _Leaves))
+    return [g.resource for g in flat for _ in range(g.count)]
+
+
+class _Leaves:
+    """One resource standing for ``count`` leaves (a pytree leaf itself, unlike a list the user may have written)."""
+
+    def __init__(self, resource: Any, count: int) -> None:
+        self.resource, self.count = resource, count
 
 
 def _spec_text(spec: Any, shape: tuple[int, ...], axes: Mapping[str, int], mesh_shape: tuple[int, int], where: str) -> str:
@@ -488,13 +498,23 @@ def _spec_text(spec: Any, shape: tuple[int, ...], axes: Mapping[str, int], mesh_
         return "R" * len(shape) or "-"
     if len(spec) > len(shape):
         raise MethodOptionError(f"{where}: {spec} has {len(spec)} entries for a tensor of rank {len(shape)} {tuple(shape)}")
-    tokens = []
-    for entry in tuple(spec) + (None,) * (len(shape) - len(spec)):
+    tokens, used = [], []
+    for dim, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if entry is not None and not isinstance(entry, (str, tuple, list)):  # P.UNCONSTRAINED and the like
+            raise MethodOptionError(f"{where}: {spec} has {entry!r} for dimension {dim}; give mesh axis names, None "
+                                    "(not split) or UNSPECIFIED for the whole tensor (the planner's choice)")
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         unknown = [n for n in names if n not in axes]
         if unknown:
             raise MethodOptionError(f"{where}: {spec} names mesh axis {unknown[0]!r}; the mesh's axes are {', '.join(map(repr, axes))}")
+        if any(n in used for n in names) or len(set(names)) != len(names):
+            raise MethodOptionError(f"{where}: {spec} splits over a mesh axis twice; each axis can split one dimension once")
+        used += names
         split = [axes[n] for n in names if mesh_shape[axes[n]] > 1]
+        ways = math.prod(mesh_shape[a] for a in split)
+        if shape[dim] % ways:
+            raise MethodOptionError(f"{where}: {spec} splits dimension {dim} (of {shape[dim]}) {ways} ways, which does not "
+                                    f"divide it on the {mesh_shape[0]}x{mesh_shape[1]} mesh")
         tokens.append("S" + "".join(map(str, split)) if split else "R")
     return "".join(tokens)
 
@@ -502,8 +522,8 @@ def _spec_text(spec: Any, shape: tuple[int, ...], axes: Mapping[str, int], mesh_
 def _no_manual_sharding(option: Any, name: str) -> None:
     if option is not None:
         raise MethodOptionError(
-            f"{name}(manual_sharding_option=...) is not supported: the planner chooses the shardings; pin an op's "
-            "strategy on the plan (plan.pin(op, strategy)) to fix one")
+            f"{name}(manual_sharding_option=...) is not supported (ShardParallel takes one): here the planner chooses the "
+            "shardings; pin an op's strategy on the plan (plan.pin(op, strategy)) to fix one")
 
 
 # ----- devices ---------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ def test_init_local_and_its_errors(no_session):
     with pytest.raises(RuntimeError, match="without alpa_lab.init"):
         al.shutdown()
     assert al.get_global_physical_mesh() is None  # as Alpa's: made only when asked, or by init
-    assert al.get_global_physical_mesh(create_if_not_exist=True).num_devices == jax.device_count()
+    made = al.get_global_physical_mesh(create_if_not_exist=True)
+    assert made.num_devices == jax.device_count() and al.get_global_physical_mesh() is made  # one, kept
     with pytest.raises(ValueError, match="choose 'ray'.*or 'local'"):
         al.init("slurm")
     with pytest.raises(ValueError, match="num_nodes must be a positive integer"):
@@ -323,7 +324,9 @@ def test_a_virtual_mesh_plans_for_part_of_the_cluster_and_runs_there(no_session)
         assert plain.cluster == cluster.spec and al.get_global_num_devices() == 8
         al.set_global_virtual_physical_mesh(cluster.get_virtual_physical_mesh(num_devices_per_host=2))
         assert al.get_global_num_devices() == 4 and al.get_global_virtual_physical_mesh().shape == (2, 2)
-        assert al.get_global_physical_mesh() == al.get_global_virtual_physical_mesh()  # where steps run: its workers
+        assert al.get_global_physical_mesh() is None  # as Alpa's: made when asked for
+        made = al.get_global_physical_mesh(create_if_not_exist=True)
+        assert made == al.get_global_virtual_physical_mesh() and al.get_global_physical_mesh() is made  # where steps run
         out = plain(state, batch)
         assert plain.cluster == cluster.spec.part(2, 2) and plain.ray_cluster is cluster
         assert sorted(w.hosts for w in plain.ray_run.workers) == [(0,), (1,)]  # one stage per host, 2 devices each

@@ -123,6 +123,8 @@ def test_mesh_driver_data_loader_asks_for_every_sample_and_repeats():
     endless = iter(al.MeshDriverDataLoader(64, 256, input_iter_func, specs, repeat=True))
     again = [next(endless) for _ in range(6)]  # past the end: the first samples again
     np.testing.assert_array_equal(np.asarray(again[4]["x"]), xs[:64])
+    asked.clear()
+    assert len(list(al.MeshDriverDataLoader(64, 300, input_iter_func, specs))) == 4 and asked == [(0, 256, 64)]  # whole batches
     with pytest.raises(ValueError, match="batch_size must be a positive whole number"):
         al.MeshDriverDataLoader(0, 256, input_iter_func, specs)
     with pytest.raises(ValueError, match="yielded 1 batches, not the 4"):

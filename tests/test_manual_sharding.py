@@ -65,11 +65,14 @@ def test_a_result_in_another_layout_pays_its_resharding():
         plans[name] = step.current_plan
     free, pinned = plans["free"], plans["rows"]
     assert free.outputs[0].spec == "RS1" and pinned.outputs[0].spec == "S1R"
-    moved = [r for r in pinned.reshardings if r.consumer == "output []"]
-    assert len(moved) == 1 and (moved[0].src, moved[0].dst) == ("RS1", "S1R")
+    # the result has the argument's shape, so it is taken for a new state the next step reads back (as every plan
+    # takes it): returned rows split, it goes back to the argument's columns split once a step too
+    moved = [(r.producer, r.consumer, r.src, r.dst) for r in pinned.reshardings]
+    assert moved == [("add_0", "output []", "RS1", "S1R"), ("output []", "[0]", "S1R", "RS1")]
     mesh = pinned.problem.mesh
     cost = resharding(ShardingSpec.parse("RS1"), ShardingSpec.parse("S1R"), (8, 16), 4, mesh).cost
-    assert cost > 0 and pinned.objective == pytest.approx(free.objective + cost, rel=1e-9)
+    back = resharding(ShardingSpec.parse("S1R"), ShardingSpec.parse("RS1"), (8, 16), 4, mesh).cost
+    assert cost > 0 and pinned.objective == pytest.approx(free.objective + cost + back, rel=1e-9)
     assert al.Plan.from_json(pinned.to_json()).outputs[0].spec == "S1R"  # plans are JSON; the pin goes with it
     assert pinned.unpin("output []").outputs[0].spec == "RS1"  # and can be freed
 
@@ -121,8 +124,13 @@ def test_bad_manual_shardings_say_what_to_change():
     with pytest.raises(al.MethodOptionError, match="structure of the step's arguments"):
         run(in_axis_resources=(None, None, None))
     narrow = al.ManualShardingOption(("data", "model"), out_axis_resources=P(None, "model"))
-    with pytest.raises(al.PinError, match=r"result \[\] cannot be returned as 'RS1': it does not fit a tensor of shape \(8, 3\)"):
+    with pytest.raises(al.MethodOptionError, match=r"for \[\]: .* splits dimension 1 \(of 3\) 8 ways"):
         al.parallelize(lambda a: a[:, :3] * 2, method=al.ShardParallel(manual_sharding_option=narrow))(a)
+    plan = al.parallelize(lambda a: a[:, :3] * 2, method=al.ShardParallel()).plan(a)  # a result pinned by hand
+    with pytest.raises(al.PinError, match=r"result \[\] cannot be returned as 'RS1': it does not fit a tensor of shape \(8, 3\)"):
+        plan.pin("output []", "RS1")
+    with pytest.raises(al.PinError, match="the step has no result"):
+        plan.pin("output [7]", "RR")
     with pytest.raises(al.MethodOptionError, match="one or two distinct strings"):
         al.ManualShardingOption(("x", "x"))
     with pytest.raises(al.MethodOptionError, match="submesh_axis_names"):
@@ -130,3 +138,82 @@ def test_bad_manual_shardings_say_what_to_change():
     with pytest.raises(al.MethodOptionError, match="not supported"):
         al.parallelize(fn, method=al.PipeshardParallel(
             num_micro_batches=2, manual_sharding_option=al.ManualShardingOption(("data", "model"))))(a, a)
+
+
+def test_lists_nnx_results_constants_and_states():
+    """Resources in lists (not mistaken for the per-leaf bookkeeping), an NNX step's results (not the module state it
+    hands back), a constant result (replicated, as pjit's None), and a new state returned in its argument's layout
+    (pinning the result pins the argument, priced once)."""
+    a = jnp.linspace(-1, 1, 8 * 16).reshape(8, 16)
+
+    def f(xs, c):
+        return jnp.sum(xs[0]["x"] + xs[0]["y"] + c, axis=0)
+
+    option = al.ManualShardingOption(("data", "model"), in_axis_resources=([None], P(None, "model")))
+    pins = dict(al.parallelize(f, method=al.ShardParallel(manual_sharding_option=option)).plan([{"x": a, "y": a}], a).pins)
+    assert pins == {"[0][0]['x']": "RR", "[0][0]['y']": "RR", "[1]": "RS1"}
+
+    from flax import nnx
+
+    model = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def nnx_step(model, optimizer, x):  # written for nnx.jit: the objects change in place, the losses are returned
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss, loss * 2
+
+    option = al.ManualShardingOption(("data", "model"), out_axis_resources=(None, None))
+    step = al.parallelize(nnx_step, method=al.ShardParallel(manual_sharding_option=option))
+    loss, twice = step(model, optimizer, a)
+    assert float(twice) == pytest.approx(2 * float(loss))
+    assert sorted(k for k in dict(step.current_plan.pins) if k.startswith("output ")) == ["output [3][0]", "output [3][1]"]
+
+    option = al.ManualShardingOption(("data", "model"), out_axis_resources=(None, None))
+    const = al.parallelize(lambda x: (x * 2, 1.0), method=al.ShardParallel(manual_sharding_option=option))
+    assert float(const(a)[1]) == 1.0
+
+    def update(w, s):
+        return jnp.tanh(w.T).T * s, jnp.sum(w)
+
+    w = jnp.linspace(-1, 1, 16 * 16).reshape(16, 16)
+    plans = {}
+    for name, out in (("free", al.UNSPECIFIED), ("pinned", (P(None, "model"), None))):
+        option = al.ManualShardingOption(("data", "model"), in_axis_resources=(P(None, "model"), None), out_axis_resources=out)
+        step = al.parallelize(update, method=al.ShardParallel(manual_sharding_option=option), donate_argnums=())
+        plans[name] = step.plan(w, jnp.float32(2.0))
+    assert plans["pinned"].outputs[0].spec == "RS1" == plans["free"].outputs[0].spec
+    assert plans["pinned"].objective == pytest.approx(plans["free"].objective, rel=1e-9)  # the same layout, paid once
+
+
+def test_explain_and_conflicts_see_a_results_layout():
+    a = jnp.ones((8, 16))
+    option = al.ManualShardingOption(("data", "model"), in_axis_resources=(P(None, "model"), P(None, "model")),
+                                     out_axis_resources=P("model"))
+    step = al.parallelize(lambda a, b: a + b * 2, method=al.ShardParallel(manual_sharding_option=option))
+    plan = step.plan(a, a)
+    moved = next(r for r in plan.reshardings if r.consumer == "output []")
+    chosen = next(alt for alt in plan.explain(moved.producer).alternatives if alt.chosen)
+    assert chosen.resharding_cost >= moved.cost > 0  # what returning it in the pinned layout costs is on the op
+    # with all-gather and all-to-all forbidden the result cannot be moved: the result's pin is the one named
+    forbid = al.AutoShardingOption(allow_all_gather=False, allow_all_to_all=False)
+    option = al.ManualShardingOption(("data", "model"), in_axis_resources=P(None, "model"), out_axis_resources=P("model"))
+    with pytest.raises(al.PinError, match=r"output \[\]"):
+        al.parallelize(lambda a: a * 2, method=al.ShardParallel(auto_sharding_option=forbid, manual_sharding_option=option))(a)
+
+
+def test_bad_partition_specs_name_the_entry():
+    a = jnp.ones((8, 12))
+
+    def run(spec):
+        option = al.ManualShardingOption(("data", "model"), in_axis_resources=spec)
+        return al.parallelize(lambda a: a * 2, method=al.ShardParallel(manual_sharding_option=option))(a)
+
+    with pytest.raises(al.MethodOptionError, match=r"splits dimension 1 \(of 12\) 8 ways"):
+        run(P(None, "model"))
+    with pytest.raises(al.MethodOptionError, match="over a mesh axis twice"):
+        run(P("model", "model"))
+    with pytest.raises(al.MethodOptionError, match="UNCONSTRAINED|for dimension 0"):
+        run(P(P.UNCONSTRAINED, None))
+    with pytest.raises(al.PinError, match="a pipeline's results cannot be pinned"):
+        al.parallelize(lambda a: a * 2, microbatches=2).plan(a, pins={"output []": "RR"})

@@ -169,7 +169,8 @@ def mark_stage_boundary(*xs: Any, name: str = "") -> Any:
     step for a pipelined plan (``alpa_lab.trace``, ``step.plan``) with one elsewhere, or inside
     ``jax.checkpoint``/``custom_vjp``/control flow, raises ``TraceError`` saying so. Outside
     a plan's tracing (run eagerly, under plain ``jax.jit``/``jax.grad``), and in a plan
-    without stages (``ShardParallel``, ``DataParallel``: one mesh), it does nothing.
+    on one mesh (``ShardParallel``, ``DataParallel`` without gradient accumulation, whose
+    micro-batches are traced as a pipeline's), it does nothing.
     Because it is found while the step is traced, a call inside a ``jax.jit`` function
     whose trace JAX already cached is not seen: call it in the loss function itself.
     """

@@ -68,7 +68,7 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False, cut: bool = Tru
     ``traced_consts`` lets ``fn`` close over tracers of an enclosing transformation (the
     graph is then only valid inside that trace); ``value_and_grad``'s automatic layering
     traces a loss function that way from inside the training step.
-    ``cut=False`` is for a plan without stages (one mesh): an argument-less
+    ``cut=False`` is for a plan on one mesh (not traced per micro-batch): an argument-less
     ``mark_stage_boundary()`` is then a no-op wherever it is, as under ``jax.jit`` and as
     Alpa's ``ShardParallel`` treats a model written with ``mark_pipeline_boundary()``.
     """

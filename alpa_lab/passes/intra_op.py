@@ -20,7 +20,7 @@ import re
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Collection, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
@@ -148,10 +148,13 @@ class StrategyGraph:
         node = sg.nodes[n]
         chosen = {o.name: o.strategy for o in plan.ops}
         choice = {i: sg.nodes[i].strategy_index(chosen[nd.name]) for i, nd in enumerate(sg.nodes)}
+        layouts = split_output_pins(sg, dict(plan.pins))[1]
         alts = []
         for j, s in enumerate(node.strategies):
             reshard = 0.0
             for e in sg.edges:
+                if e.consumer < 0 and -1 - e.consumer in layouts:  # a pinned new state: priced through its layout below
+                    continue
                 if e.consumer == n:
                     src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
                     dst = s.input_specs[e.operand]
@@ -168,6 +171,14 @@ class StrategyGraph:
                     continue
                 shape, itemsize = sg.var_info[e.var]
                 reshard += resharding(src, dst, shape, itemsize, sg.mesh).cost
+            for pos, dst in layouts.items():  # a result it makes, returned in a pinned layout; a state read back from it
+                v = sg.outvars[pos]
+                shape, itemsize = sg.var_info[v]
+                if sg.node_of_var[v][0] == n:
+                    reshard += resharding(s.output_specs[sg.node_of_var[v][1]], dst, shape, itemsize, sg.mesh).cost
+                alias = _alias_edge(sg, pos)
+                if alias is not None and alias.operand == n:
+                    reshard += resharding(dst, s.output_specs[0], shape, itemsize, sg.mesh).cost
             alts.append(Alternative(s.name, s.cost, reshard, j == choice[n]))
         leader = sg.nodes[int(sg.group_of_node[n])].name
         return Explanation(plan.op(op), tuple(alts), leader)
@@ -610,13 +621,14 @@ def solve_strategy_graph(
     pins = dict(pins or {})
     restrictions = dict(restrictions or {})
     allowed = allowed_strategies(sg, pins, restrictions)
+    given = pins
     pins, layouts = split_output_pins(sg, pins)
     try:
         cost_graph = _with_output_layouts(sg, layouts) if layouts else sg.cost_graph
         sol = solve(cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
     except InfeasibleError as exc:
-        if pins:
-            conflict = _conflicting_pins(sg, pins, restrictions, memory_budget, time_limit)
+        if pins or layouts:
+            conflict = _conflicting_pins(sg, given, restrictions, memory_budget, time_limit)
             if conflict:
                 where = " within the memory budget" if memory_budget else ""
                 if sg.mesh.forbidden:  # the pair may be fine but for the resharding between them
@@ -664,8 +676,10 @@ def split_output_pins(sg: StrategyGraph, pins: Mapping[str, str]) -> tuple[dict[
             raise PinError(f"the step has no result {path!r} to pin; its results are {', '.join(sg.out_paths) or 'none'}", (name,))
         pos = sg.out_paths.index(path)
         v = sg.outvars[pos]
-        if v not in sg.node_of_var:
-            raise PinError(f"result {path} is a constant of the program: it has no layout to pin", (name,))
+        if v not in sg.node_of_var:  # a constant of the program: returned whole, so only "replicated" holds
+            if set(text) <= {"R", "-"}:
+                continue
+            raise PinError(f"result {path} is a constant of the program, returned whole: it cannot be split as {text!r}", (name,))
         shape = sg.var_info[v][0]
         try:
             spec = ShardingSpec.parse(text)
@@ -678,26 +692,61 @@ def split_output_pins(sg: StrategyGraph, pins: Mapping[str, str]) -> tuple[dict[
 
 
 def output_layout_edges(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec]) -> list[OperandEdge]:
-    """An edge per pinned result, from the op making it to the program's output (``operand`` -1: no node)."""
-    return [OperandEdge(*sg.node_of_var[sg.outvars[pos]], -1 - pos, -1, sg.outvars[pos]) for pos in sorted(layouts)]
+    """Per pinned result, an edge from the op making it to the program's output (``operand`` -1: no node) and, for
+    a new state (an alias), one from that output into its argument's layout, which the next step reads (``producer``
+    -1: the pinned layout)."""
+    out = []
+    for pos in sorted(layouts):
+        v = sg.outvars[pos]
+        out.append(OperandEdge(*sg.node_of_var[v], -1 - pos, -1, v))
+        if _alias_edge(sg, pos) is not None:
+            out.append(OperandEdge(-1, 0, -1 - pos, sg.node_of_var[sg.aliases[pos]][0], v))
+    return out
+
+
+def _alias_edge(sg: StrategyGraph, pos: int) -> OperandEdge | None:
+    return next((e for e in sg.edges if e.consumer == -1 - pos), None)
 
 
 def _with_output_layouts(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec]) -> CostGraph:
-    """The cost graph with, on the op making each pinned result, the resharding into its pinned layout."""
+    """The cost graph with, on the op making each pinned result, the resharding into its pinned layout. A new state
+    pinned so no longer goes straight back into its argument's layout: its alias edge is taken out, and the
+    argument pays the resharding from the pinned layout instead (once a step, as the alias edge did)."""
     costs = list(sg.cost_graph.node_costs)
+    edges = {(u, v): m for u, v, m in sg.cost_graph.edges}
     gindex = group_index(sg.group_of_node)
-    for pos, dst in layouts.items():
+
+    def unary(n: int, out: int, src_of: Any, dst_of: Any, shape: tuple[int, ...], itemsize: int) -> None:
+        price: dict[tuple, float] = {}
+        for s in sg.nodes[n].strategies:
+            key = (src_of(s), dst_of(s))
+            if key not in price:
+                price[key] = resharding(key[0], key[1], shape, itemsize, sg.mesh).cost
+        vec = np.array([price[(src_of(s), dst_of(s))] for s in sg.nodes[n].strategies])
+        g = gindex[int(sg.group_of_node[n])]
+        costs[g] = costs[g] + vec[sg.member_map[n]]
+
+    for pos, layout in layouts.items():
         v = sg.outvars[pos]
         n, out = sg.node_of_var[v]
         shape, itemsize = sg.var_info[v]
-        price: dict[ShardingSpec, float] = {}
-        for s in sg.nodes[n].strategies:
-            if s.output_specs[out] not in price:
-                price[s.output_specs[out]] = resharding(s.output_specs[out], dst, shape, itemsize, sg.mesh).cost
-        vec = np.array([price[s.output_specs[out]] for s in sg.nodes[n].strategies])
-        g = gindex[int(sg.group_of_node[n])]
-        costs[g] = costs[g] + vec[sg.member_map[n]]
-    return dataclasses.replace(sg.cost_graph, node_costs=tuple(costs))
+        unary(n, out, lambda s: s.output_specs[out], lambda s: layout, shape, itemsize)
+        e = _alias_edge(sg, pos)
+        if e is None:
+            continue
+        arg = e.operand
+        table = np.array([[resharding(a.output_specs[e.output], b.output_specs[0], shape, itemsize, sg.mesh).cost
+                           for b in sg.nodes[arg].strategies] for a in sg.nodes[e.producer].strategies])
+        rows, cols = sg.member_map[e.producer], sg.member_map[arg]
+        gu, gv = gindex[int(sg.group_of_node[e.producer])], gindex[int(sg.group_of_node[arg])]
+        if gu == gv:
+            costs[gu] = costs[gu] - table[rows, cols]
+        elif (gu, gv) in edges:
+            edges[(gu, gv)] = edges[(gu, gv)] - table[np.ix_(rows, cols)]
+        else:
+            edges[(gv, gu)] = edges[(gv, gu)] - table[np.ix_(rows, cols)].T
+        unary(arg, 0, lambda s: layout, lambda s: s.output_specs[0], shape, itemsize)
+    return dataclasses.replace(sg.cost_graph, node_costs=tuple(costs), edges=tuple((u, v, m) for (u, v), m in edges.items()))
 
 
 def allowed_strategies(
@@ -709,9 +758,9 @@ def allowed_strategies(
     for name, names in (restrictions or {}).items():
         node = sg.nodes[sg.node_index(name)]
         wanted[name] = ({node.strategy_index(x) for x in names}, "restriction")
+    # a result's layout is priced on the op making it (``_with_output_layouts``); a new state's pins its argument
+    pins = split_output_pins(sg, pins)[0]
     for name, strategy in pins.items():
-        if name.startswith(OUTPUT_PIN):  # a result's layout: priced on the op making it (``_with_output_layouts``)
-            continue
         node = sg.nodes[sg.node_index(name)]
         j = {node.strategy_index(strategy)}
         prev = wanted.get(name, (j, ""))[0]
@@ -755,12 +804,14 @@ def _conflicting_pins(
     def feasible(subset: dict[str, str]) -> bool:
         try:
             allowed = allowed_strategies(sg, subset, restrictions)
-            solve(sg.cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
+            layouts = split_output_pins(sg, subset)[1]  # results' pins are members too (a forbidden resharding)
+            solve(_with_output_layouts(sg, layouts) if layouts else sg.cost_graph, allowed=allowed,
+                  memory_budget=memory_budget, time_limit=time_limit)
             return True
         except (InfeasibleError, PinError):
             return False
 
-    if feasible({}) is False:
+    if feasible({}) is False or feasible(pins):  # infeasible without pins, or not for their sake
         return {}
     core = dict(pins)
     for name in list(pins):

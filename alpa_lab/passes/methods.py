@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 from alpa_lab.graph.analysis import batch_dimension
 from alpa_lab.passes.ilp import ILP_TIME_LIMIT
 from alpa_lab.passes.intra_op import (
-    IntraOpSolution, StrategyGraph, OUTPUT_PIN, group_choices, group_index, output_layout_edges, solve_strategy_graph,
+    IntraOpSolution, StrategyGraph, group_choices, group_index, output_layout_edges, solve_strategy_graph,
     split_output_pins,
 )
 from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
@@ -303,10 +303,9 @@ def batch_op_restrictions(
     for name, names in given.items():
         n = sg.node_index(name)
         admit(n, {j for j, s in enumerate(sg.nodes[n].strategies) if s.name in names})
-    for name, strategy in pins.items():
-        if not name.startswith(OUTPUT_PIN):  # a result's layout fixes no op
-            n = sg.node_index(name)
-            admit(n, {sg.nodes[n].strategy_index(strategy)})
+    for name, strategy in split_output_pins(sg, pins)[0].items():  # a result's layout fixes no op (a new state's: its argument)
+        n = sg.node_index(name)
+        admit(n, {sg.nodes[n].strategy_index(strategy)})
     batched: dict[int, dict[int, int]] = {}  # op node -> its outputs' batch dimensions
     for vid, d in dims.items():
         n, pos = sg.node_of_var[vid]
@@ -409,8 +408,11 @@ def _reshardings(
     the ``layouts`` of pinned results, ``split_output_pins``). XLA reshards a tensor once per target spec, however
     many consumers want it."""
     out, seen = [], set()
-    for e in (*sg.edges, *output_layout_edges(sg, layouts or {})):
-        src = sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
+    layouts = layouts or {}
+    for e in (*sg.edges, *output_layout_edges(sg, layouts)):
+        if e.consumer < 0 and e.producer >= 0 and e.operand >= 0 and -1 - e.consumer in layouts:
+            continue  # a pinned new state's alias edge: it goes back through its pinned layout (the edges below)
+        src = layouts[-1 - e.consumer] if e.producer < 0 else sg.nodes[e.producer].strategies[choice[e.producer]].output_specs[e.output]
         if e.consumer >= 0:
             dst = sg.nodes[e.consumer].strategies[choice[e.consumer]].input_specs[e.operand]
         elif e.operand < 0:  # a pinned result
@@ -472,6 +474,10 @@ def make_plan(
     layouts = split_output_pins(sg, pins)[1]  # results pinned to a layout (Alpa's out_axis_resources)
     for e, src, dst, collectives in _reshardings(sg, choice, layouts):
         consumer = sg.nodes[e.consumer].name if e.consumer >= 0 else f"output {out_paths[-1 - e.consumer]}"
+        if e.producer < 0:  # a pinned new state into its argument's layout, read so by the next step
+            reshardings.append(ReshardingPlan(consumer, sg.nodes[e.operand].name, sg.var_info[e.var][0], sg.var_dtype[e.var],
+                                              str(src), str(dst), collectives))
+            continue
         shape = sg.var_info[e.var][0]
         reshardings.append(ReshardingPlan(sg.nodes[e.producer].name, consumer, shape, sg.var_dtype[e.var], str(src), str(dst), collectives))
     spec_of_var = {}

@@ -85,9 +85,9 @@ class MeshDriverDataLoader(DataLoader):
     """``MeshDriverDataLoader(batch_size, num_samples, input_iter_func, placement_specs, prefetch_size=1, repeat=False)``,
     as Alpa's, for data each host makes itself: ``input_iter_func(start, end, batch_size)`` yields the batches of
     samples ``start`` to ``end - 1``, ``batch_size`` rows each. This process holds every device it plans for, so it
-    is asked for all ``num_samples`` (Alpa's hosts each ask for their share); ``num_samples // batch_size``
-    batches are taken, each placed as ``placement_specs`` say (``DataLoader``), and with ``repeat`` the loader
-    starts over after the last one, without end."""
+    is asked for all the samples of the ``num_samples // batch_size`` whole batches (Alpa's hosts each ask for their
+    share; as in Alpa, a ragged tail is left out). Each batch is placed as ``placement_specs`` say (``DataLoader``),
+    and with ``repeat`` the loader starts over after the last one, without end."""
 
     def __init__(self, batch_size: int, num_samples: int, input_iter_func: Any, placement_specs: Any,
                  prefetch_size: int = 1, repeat: bool = False):
@@ -118,11 +118,12 @@ class _Epochs:
         loader = self.loader
         while True:
             taken = 0
-            for batch in itertools.islice(loader.input_iter_func(0, loader.num_samples, loader.batch_size), len(loader)):
+            end = len(loader) * loader.batch_size  # as Alpa's: whole batches only, a ragged tail left out
+            for batch in itertools.islice(loader.input_iter_func(0, end, loader.batch_size), len(loader)):
                 taken += 1
                 yield batch
             if taken < len(loader):
-                raise ValueError(f"input_iter_func(0, {loader.num_samples}, {loader.batch_size}) yielded {taken} batches, "
-                                 f"not the {len(loader)} of {loader.num_samples} samples in batches of {loader.batch_size}")
+                raise ValueError(f"input_iter_func(0, {end}, {loader.batch_size}) yielded {taken} batches, "
+                                 f"not the {len(loader)} of {end} samples in batches of {loader.batch_size}")
             if not loader.repeat:
                 return

@@ -236,7 +236,7 @@ class ConstrainedStep:
     def _bind(self, args: tuple) -> _Bound:
         key = args_signature(args)
         if key not in self._bound:
-            graph = trace(self.fn, *args)
+            graph = trace(self.fn, *args, cut=False)  # one mesh: argument-less boundaries are no-ops, as the plan's trace
             if graph.fingerprint != self.fingerprint:
                 raise ValueError(
                     f"the plan belongs to another program (plan fingerprint {self.fingerprint}, "
