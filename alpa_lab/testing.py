@@ -1,0 +1,186 @@
+"""Alpa's test helpers (``alpa.testing``) under their names, so tests written for Alpa run here unchanged.
+
+Small models with their training state, batch and step (an MLP, a stack of BERT encoder layers), an
+``assert_allclose`` that walks pytrees and train states, and the data-loader function Alpa's loader tests
+read. The steps take their gradients with ``alpa_lab.value_and_grad``, so that a ``mark_pipeline_boundary()``
+in the model cuts a pipeline, and run as plain JAX too (the serial reference a test compares with).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from flax.training.dynamic_scale import DynamicScale
+
+from alpa_lab.graph.markers import mark_pipeline_boundary, value_and_grad
+
+__all__ = [
+    "BertLayerModel", "MLPModel", "TrainState", "assert_allclose", "create_train_state", "data_loader_input_iter_func",
+    "get_bert_layer_train_state_and_step", "get_mlp_train_state_and_step", "mlp_inference_step",
+]
+
+
+class TrainState(train_state.TrainState):
+    """Flax's train state with Alpa's ``dynamic_scale`` (a ``DynamicScale`` for mixed precision, or None)."""
+
+    dynamic_scale: Any = None
+
+
+def assert_allclose(x: Any, y: Any, rtol: float = 1e-4, atol: float = 1e-4) -> None:
+    """``np.testing.assert_allclose`` over two pytrees of the same structure (train states, dicts, lists, arrays,
+    numbers); any other leaves must be equal."""
+    if isinstance(x, train_state.TrainState) or isinstance(y, train_state.TrainState):
+        x, y = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)
+    if isinstance(x, dict) or isinstance(y, dict):
+        assert isinstance(x, dict) and isinstance(y, dict) and set(x) == set(y), (type(x), type(y))
+        for k in x:
+            assert_allclose(x[k], y[k], rtol, atol)
+        return
+    if isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
+        assert isinstance(y, (list, tuple)) and len(x) == len(y), (type(y), len(x))
+        for a, b in zip(x, y):
+            assert_allclose(a, b, rtol, atol)
+        return
+    if hasattr(x, "__array__") or np.isscalar(x):
+        assert hasattr(y, "__array__") or np.isscalar(y), type(y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol, atol)
+        return
+    if jax.tree_util.tree_structure(x).num_leaves:  # another pytree (a flax struct): leaf by leaf
+        assert jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(y)
+        assert_allclose(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y), rtol, atol)
+        return
+    assert x == y, (x, y)
+
+
+class MLPModel(nn.Module):
+    """``num_layers`` dense layers of ``hidden_size``; with ``add_manual_pipeline_marker`` a stage boundary after
+    the first half."""
+
+    num_layers: int
+    hidden_size: int
+    use_bias: bool = True
+    add_manual_pipeline_marker: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(self.num_layers):
+            x = nn.Dense(self.hidden_size, use_bias=self.use_bias)(x)
+            if self.add_manual_pipeline_marker and i == self.num_layers // 2 - 1:
+                mark_pipeline_boundary()
+        return x
+
+
+def _regression_step(inputs: Callable[[Any], tuple]) -> Callable:
+    """A step that fits the model's output on ``inputs(batch)`` to ``batch["y"]`` (mean squared error), with a
+    dynamic loss scale where the state has one (steps with non-finite gradients are skipped)."""
+
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
+        def loss_func(params: Any) -> jax.Array:
+            return jnp.mean((state.apply_fn(params, *inputs(batch)) - batch["y"]) ** 2)
+
+        scale = getattr(state, "dynamic_scale", None)
+        if scale is None:
+            loss, grads = value_and_grad(loss_func)(state.params)
+            return state.apply_gradients(grads=grads), loss
+        scale, finite, loss, grads = scale.value_and_grad(loss_func)(state.params)
+        new = state.apply_gradients(grads=grads)
+        keep = functools.partial(jnp.where, finite)
+        return new.replace(params=jax.tree_util.tree_map(keep, new.params, state.params),
+                           opt_state=jax.tree_util.tree_map(keep, new.opt_state, state.opt_state),
+                           dynamic_scale=scale), loss
+
+    return train_step
+
+
+def get_mlp_train_state_and_step(batch_size: int, hidden_size: int, num_layers: int = 4, use_bias: bool = True,
+                                 add_manual_pipeline_marker: bool = False) -> tuple[TrainState, dict, Callable]:
+    """(state, batch, train_step) of an ``MLPModel`` fitting random ``y`` from random ``x`` (SGD with momentum)."""
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (batch_size, hidden_size))
+    y = jax.random.normal(jax.random.fold_in(key, 1), (batch_size, hidden_size))
+    model = MLPModel(num_layers=num_layers, hidden_size=hidden_size, use_bias=use_bias,
+                     add_manual_pipeline_marker=add_manual_pipeline_marker)
+    state = TrainState.create(apply_fn=model.apply, params=model.init(key, x), tx=optax.sgd(1e-2, momentum=0.9))
+    return state, {"x": x, "y": y}, _regression_step(lambda batch: (batch["x"],))
+
+
+class BertLayer(nn.Module):
+    """One BERT encoder layer: masked self-attention and a GELU feed-forward block, each added back and normalised."""
+
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        mask = nn.make_attention_mask(attention_mask > 0, attention_mask > 0)
+        attended = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype)(x, x, mask=mask)
+        x = nn.LayerNorm(dtype=self.dtype)(x + attended)
+        h = nn.gelu(nn.Dense(self.intermediate_size, dtype=self.dtype)(x))
+        return nn.LayerNorm(dtype=self.dtype)(x + nn.Dense(self.hidden_size, dtype=self.dtype)(h))
+
+
+class BertLayerModel(nn.Module):
+    """``num_layers`` BERT encoder layers; with ``add_manual_pipeline_marker`` a stage boundary between each two."""
+
+    hidden_size: int
+    num_heads: int
+    num_layers: int
+    dtype: Any = jnp.float32
+    add_manual_pipeline_marker: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        for i in range(self.num_layers):
+            x = BertLayer(self.hidden_size, self.num_heads, 4 * self.hidden_size, self.dtype)(x, attention_mask)
+            if self.add_manual_pipeline_marker and i != self.num_layers - 1:
+                mark_pipeline_boundary()
+        return x
+
+
+def get_bert_layer_train_state_and_step(batch_size: int, seq_len: int, num_layers: int, hidden_size: int, num_heads: int,
+                                        clip_by_global_norm: bool = False, use_dynamic_scale: bool = False,
+                                        add_manual_pipeline_marker: bool = True) -> tuple[TrainState, dict, Callable]:
+    """(state, batch, train_step) of a ``BertLayerModel`` fitting random ``y`` (Adam; optionally clipped by global
+    norm first, and with a dynamic loss scale)."""
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (batch_size, seq_len, hidden_size))
+    y = jax.random.normal(jax.random.fold_in(key, 1), (batch_size, seq_len, hidden_size))
+    batch = {"x": x, "y": y, "attention_mask": jnp.ones((batch_size, seq_len), dtype=jnp.int8)}
+    model = BertLayerModel(hidden_size=hidden_size, num_heads=num_heads, num_layers=num_layers,
+                           add_manual_pipeline_marker=add_manual_pipeline_marker)
+    tx = optax.adam(1e-2)
+    if clip_by_global_norm:
+        tx = optax.chain(optax.clip_by_global_norm(0.05), tx)
+    state = TrainState.create(apply_fn=model.apply, params=model.init(key, x, batch["attention_mask"]), tx=tx,
+                              dynamic_scale=DynamicScale() if use_dynamic_scale else None)
+    return state, batch, _regression_step(lambda batch: (batch["x"], batch["attention_mask"]))
+
+
+def create_train_state(rngkey: jax.Array, model: nn.Module, inputs: tuple) -> TrainState:
+    """``model`` initialised on ``inputs`` with Adam (learning rate 1e-2)."""
+    return TrainState.create(apply_fn=model.apply, params=model.init(rngkey, *inputs), tx=optax.adam(1e-2))
+
+
+def mlp_inference_step(state: TrainState, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """The model's output on ``batch["x"]`` and its mean squared error against ``batch["y"]``."""
+    out = state.apply_fn(state.params, batch["x"])
+    return out, jnp.mean((out - batch["y"]) ** 2)
+
+
+def data_loader_input_iter_func(start: int, end: int, batch_size: int):
+    """Alpa's loader tests' data: rows ``start`` to ``end - 1`` of a 1024 x 32 float ``arange`` and its 1024 int
+    labels, in whole batches of ``batch_size``."""
+    xs = np.arange(1024 * 32, dtype=np.float32).reshape(1024, 32)
+    ys = np.arange(1024, dtype=np.int32)
+    for i in range(start, start + (end - start) // batch_size * batch_size, batch_size):
+        yield xs[i:i + batch_size], ys[i:i + batch_size]

@@ -1,0 +1,61 @@
+"""``alpa_lab.testing``: Alpa's test helpers, checked as Alpa's own tests use them (parallel step against the serial
+step, params rtol/atol 1e-3 as ``PipelineBasicTest`` checks them)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import alpa_lab as al
+from alpa_lab.testing import (
+    assert_allclose, data_loader_input_iter_func, get_bert_layer_train_state_and_step, get_mlp_train_state_and_step,
+    mlp_inference_step,
+)
+
+
+def run_against_serial(method, state, batch, train_step, steps):
+    parallel = al.parallelize(train_step, method=method)
+    expected = actual = state
+    for _ in range(steps):
+        expected, expected_val = jax.jit(train_step)(expected, batch)
+        actual, actual_val = parallel(actual, batch)
+        assert_allclose(expected.params, actual.params, 1e-3, 1e-3)
+        assert_allclose(expected_val, actual_val, 1e-3, 1e-3)
+    return parallel
+
+
+@pytest.mark.parametrize("manual", [True, False])
+def test_mlp_pipelines_as_alpas_run_mlp(manual):
+    state, batch, train_step = get_mlp_train_state_and_step(batch_size=64, hidden_size=16, num_layers=4,
+                                                             add_manual_pipeline_marker=manual)
+    layer_option = al.ManualLayerOption() if manual else al.AutoLayerOption(layer_num=2)
+    method = al.PipeshardParallel(num_micro_batches=4, layer_option=layer_option, stage_option=al.UniformStageOption())
+    parallel = run_against_serial(method, state, batch, train_step, steps=3)
+    assert len(parallel.current_plan.stages) == 2
+    out, loss = al.parallelize(mlp_inference_step, method=al.ShardParallel())(state, batch)
+    assert out.shape == (64, 16) and float(loss) == pytest.approx(float(mlp_inference_step(state, batch)[1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"clip_by_global_norm": True, "use_dynamic_scale": True}])
+def test_bert_layers_shard_and_pipeline(options):
+    state, batch, train_step = get_bert_layer_train_state_and_step(
+        batch_size=8, seq_len=16, num_layers=2, hidden_size=32, num_heads=2, add_manual_pipeline_marker=True, **options)
+    assert (state.dynamic_scale is not None) == bool(options)
+    run_against_serial(al.ShardParallel(), state, batch, train_step, steps=1)
+    if not options:
+        method = al.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option="uniform")
+        assert len(run_against_serial(method, state, batch, train_step, steps=1).current_plan.stages) == 2
+
+
+def test_assert_allclose_can_fail_and_the_loader_data_is_alpas():
+    state, _, _ = get_mlp_train_state_and_step(batch_size=8, hidden_size=4)
+    assert_allclose(state, state)
+    moved = jax.tree_util.tree_map(lambda p: p + 1.0, state.params)
+    with pytest.raises(AssertionError):
+        assert_allclose(state.params, moved)
+    with pytest.raises(AssertionError):
+        assert_allclose({"a": 1.0}, {"b": 1.0})
+    batches = list(data_loader_input_iter_func(64, 200, 32))
+    assert len(batches) == 4 and batches[0][0][0, 0] == 64 * 32 and batches[-1][1][-1] == 64 + 4 * 32 - 1
+    assert all(x.shape == (32, 32) and x.dtype == np.float32 and y.dtype == np.int32 for x, y in batches)
