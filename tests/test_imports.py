@@ -28,6 +28,7 @@ RANK = {name: i for i, name in enumerate(LAYERS)}
 RANK.update(
     {
         "models": RANK["api"],  # example programs, written against the public markers
+        "testing": RANK["api"],  # Alpa's test helpers: models and steps written against the public markers
         "cli": RANK["api"],  # the command line: calls the public API
         "parallel_method": RANK["api"],  # Alpa's method objects: the options parallelize takes
         "__main__": RANK["api"],
