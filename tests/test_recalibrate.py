@@ -110,3 +110,21 @@ def test_single_mesh_recalibrate_keeps_the_plans_method():
     assert new.method == "megatron" and step.current_plan is new
     scratch = al.parallelize(ex.train_step, cluster=prof.cluster(), method="megatron").plan(ex.state, ex.batch)
     assert new == scratch and step.cluster.to_dict() == prof.cluster().to_dict()
+
+
+def test_a_manually_sharded_plan_recalibrates_on_its_mesh():
+    """Manual shardings name the axes of the plan's mesh (hosts x devices): re-planning with measured costs keeps
+    that mesh and the pins, as planning from scratch on the fitted cluster with the same option does (the other
+    mesh shapes the search would try cannot even hold the pins: a 4 x 1 mesh has no columns to split)."""
+    from jax.sharding import PartitionSpec as P
+
+    ex = tiny_example("mlp")
+    option = al.ManualShardingOption(("data", "model"), in_axis_resources=(al.UNSPECIFIED, P("model")))
+    method = al.ShardParallel(manual_sharding_option=option)
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4), method=method)
+    plan = step.plan(ex.state, ex.batch)
+    prof = step.train(ex.state, ex.batch, steps=3).wait().profile()
+    new = step.recalibrate(prof)
+    assert new.mesh_shape == plan.mesh_shape == (1, 4) and dict(new.pins) == dict(plan.pins)
+    scratch = al.parallelize(ex.train_step, cluster=prof.cluster(), method=method).plan(ex.state, ex.batch)
+    assert new == scratch
