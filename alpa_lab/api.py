@@ -832,8 +832,8 @@ class ParallelizedStep:
                         layers_asked=self.layers is not None, batch_argnums=self._batch_argnums(args), soft_batch=self._alpa_batch,
                         inference=self.schedule == INFERENCE,
                     )
-                else:
-                    graph = trace(self.fn, *self._last_args, cut=False)  # as jax.jit types them (Python scalars too); one mesh: no stages
+                else:  # as jax.jit types them (Python scalars too); one mesh: no stages
+                    graph = trace(self.fn, *self._last_args, cut=False, batch_leaves=self._named_batch_leaves(args))
             except LostUpdatesError:  # written for nnx.jit: trace it returning the objects' new state, and hand that back
                 if self.hands_back_nnx:
                     raise
@@ -852,6 +852,18 @@ class ParallelizedStep:
                 del self._splits[old]
         return graph
 
+    def _named_batch_leaves(self, args: tuple) -> tuple[bool, ...] | None:
+        """The flat leaves ``batch_argnums`` (or Alpa's default) names as the batch, never state (``trace``'s
+        ``batch_leaves``); None where none are named, or where what is named cannot be a batch (``_batch_vars``
+        says why, once traced)."""
+        batch_argnums = self._batch_argnums(args)
+        if batch_argnums is None:
+            return None
+        try:
+            return named_batch(args, batch_argnums, soft=self._alpa_batch)
+        except ValueError:
+            return None
+
     def _batch_vars(self, args: tuple) -> frozenset[int] | None:
         """The traced program's arguments that ``batch_argnums`` names (None: none named): a single-mesh plan's
         data-parallel methods split these."""
@@ -860,7 +872,7 @@ class ParallelizedStep:
             return None
         graph = self.trace(*args)
         named = named_leaves(args, batch_argnums)
-        _refuse_named_state(self.fn, args, batch_argnums, named, graph)
+        _refuse_named_state(self.fn, args, batch_argnums, named, graph, inference=self.schedule == INFERENCE)
         return _cut_vars(graph, named_batch(args, batch_argnums, soft=self._alpa_batch))
 
     def _batch_argnums(self, args: tuple) -> tuple[int, ...] | None:
@@ -1868,19 +1880,19 @@ def trace_microbatched(
         try:
             split = named_batch(args, batch_argnums, num_microbatches, soft=soft_batch)
         except ValueError:  # naming the state is the likelier mistake (its step counter has no batch dimension): say that
-            _refuse_named_state(fn, args, batch_argnums, named)
+            _refuse_named_state(fn, args, batch_argnums, named, inference=inference)
             raise
         micro = [leaf_aval(x, (x.shape[0] // num_microbatches, *x.shape[1:]) if s else None) for (_, x), s in zip(flat, split)]
         try:
             with auto_layers(layers, remat=remat, asked=layers_asked):
-                graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro))
+                graph = trace(fn, *jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), micro), batch_leaves=split)
         except LostUpdatesError:
             raise
         except TraceError as err:  # cutting the state (a weight) into micro-batches breaks the step: say that, if so
-            _refuse_named_state(fn, args, batch_argnums, split)
+            _refuse_named_state(fn, args, batch_argnums, split, inference=inference)
             raise _on_one_microbatch(err, fn, args, split, f"batch_argnums={batch_argnums}: is a per-example argument "
                                      "missing from it?") from err
-        _refuse_named_state(fn, args, batch_argnums, split, graph)
+        _refuse_named_state(fn, args, batch_argnums, split, graph, inference=inference)
         _refuse_per_example_results(fn, args, graph, split, num_microbatches, stacked=inference)
         return graph, split
     guess = _guess_split(args, num_microbatches)
@@ -1991,13 +2003,20 @@ def _state_positions(graph: OpGraph) -> set[int]:
 
 
 def _refuse_named_state(
-    fn: Callable, args: tuple, batch_argnums: tuple[int, ...], named: tuple[bool, ...], graph: OpGraph | None = None
+    fn: Callable, args: tuple, batch_argnums: tuple[int, ...], named: tuple[bool, ...], graph: OpGraph | None = None,
+    *, inference: bool = False,
 ) -> None:
-    """Raise if ``batch_argnums`` names leaves the step returns in place (its state), found in ``graph`` (the
-    micro-batch's trace) or, without one, in the full arguments' ``jax.eval_shape``."""
+    """Raise if ``batch_argnums`` names the step's state: what the shapes alone take for state (results with an
+    argument's path, shape and dtype: ``find_aliases(named_batch=True)``) found in ``graph`` (the micro-batch's
+    trace) or, without one, in the full arguments' ``jax.eval_shape``, is all among the named leaves. Where other
+    state is returned beside them (``step(state, batch) -> (state, reconstruction)``), or the step is an inference
+    step (which returns no state), the user is taken at their word: a result shaped like the batch is per example."""
+    if inference:
+        return
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     if graph is not None:
-        state = _state_positions(graph)
+        position = {v: i for i, v in enumerate(graph.invars)}
+        state = {position[v] for v in find_aliases(graph, named_batch=True).values()}
     else:
         try:
             results = _full_results(fn, args)
@@ -2005,7 +2024,7 @@ def _refuse_named_state(
             return
         state = set(state_aliases(_argument_leaves(flat), results).values())
     returned = [_path_str(p) for i, ((p, _), s) in enumerate(zip(flat, named)) if s and i in state]
-    if returned:
+    if returned and all(named[i] for i in state):
         shown = ", ".join(returned[:3]) + (f" and {len(returned) - 3} more" if len(returned) > 3 else "")
         raise ValueError(
             f"batch_argnums={batch_argnums} names {shown}, which the step returns in place as its state: the batch "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from alpa_lab.graph.opgraph import OpGraph
 
@@ -19,8 +19,11 @@ def _top(path: str) -> tuple[str, str]:
     return "", "" if path == "[]" else path  # "[]": the whole result, a single array
 
 
-def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, int]:
+def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf], batch: Collection[int] = ()) -> dict[int, int]:
     """Result leaf -> argument leaf it replaces (the train state), by position in each list.
+
+    ``batch``: argument leaves the user named as the batch (``batch_argnums``), never state: an autoencoder's
+    reconstruction or an inference step's output has its input's path, shape and dtype, and is not its new value.
 
     A result replaces an argument at the same tree path with the same shape and dtype
     (``return state, loss`` for ``step(state, batch)``). An argument none of whose leaves is
@@ -30,7 +33,7 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, in
     several leaves (or returned as the step's only result), so a batch returned changed (an
     autoencoder's reconstruction) stays the batch.
     """
-    by_path = {path: i for i, (path, _, _) in enumerate(args)}
+    by_path = {path: i for i, (path, _, _) in enumerate(args) if i not in batch}
     aliases = {}
     for j, (path, shape, dtype) in enumerate(results):
         i = by_path.get(path)
@@ -40,7 +43,8 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf]) -> dict[int, in
         return aliases
     groups_in: dict[str, list[int]] = {}
     for i, (path, _, _) in enumerate(args):
-        groups_in.setdefault(_top(path)[0], []).append(i)
+        if i not in batch:
+            groups_in.setdefault(_top(path)[0], []).append(i)
     groups_out: dict[str, list[int]] = {}
     for j, (path, _, _) in enumerate(results):
         groups_out.setdefault(_top(path)[0], []).append(j)
@@ -74,13 +78,16 @@ def batch_dimension(shapes: Sequence[tuple[int, ...]]) -> int | None:
     return max(score, key=lambda d: (score[d][0], score[d][1], -score[d][2]))
 
 
-def find_aliases(graph: OpGraph) -> dict[int, int]:
-    """Outputs that replace an argument (the train state): output position -> argument var (``state_aliases``)."""
+def find_aliases(graph: OpGraph, *, named_batch: bool = False) -> dict[int, int]:
+    """Outputs that replace an argument (the train state): output position -> argument var (``state_aliases``;
+    never an argument the user named as the batch, ``OpGraph.batch_invars``, unless ``named_batch``: what the
+    shapes alone would say, to tell a user who named the state as the batch)."""
     def leaf(path: str, v: int) -> Leaf:
         return path, tuple(graph.vars[v].shape), str(graph.vars[v].dtype)
 
     pairs = state_aliases(
-        [leaf(p, v) for p, v in zip(graph.in_paths, graph.invars)], [leaf(p, v) for p, v in zip(graph.out_paths, graph.outvars)]
+        [leaf(p, v) for p, v in zip(graph.in_paths, graph.invars)], [leaf(p, v) for p, v in zip(graph.out_paths, graph.outvars)],
+        () if named_batch else {i for i, v in enumerate(graph.invars) if v in graph.batch_invars},
     )
     return {pos: graph.invars[i] for pos, i in pairs.items()}
 

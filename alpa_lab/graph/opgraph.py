@@ -132,6 +132,9 @@ class OpGraph:
     checkpoints: tuple[tuple[int, int, Any, bool], ...] = field(default=(), repr=False)
     """(first op, end op, policy, prevent_cse) of each ``jax.checkpoint`` body the trace inlined (outermost
     ones): a re-run of the program (automatic layering) checkpoints those ops again, as the user asked."""
+    batch_invars: frozenset[int] = frozenset()
+    """Argument vars the user named as the batch (``batch_argnums``): never state, whatever the results look like
+    (``analysis.find_aliases``)."""
 
     def consumers(self) -> dict[int, list[int]]:
         """Var id -> indices of the ops that read it."""

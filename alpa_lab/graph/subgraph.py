@@ -130,6 +130,7 @@ def subgraph(
         out_paths=tuple(out_paths),
         consts=consts,
         literals=literals,
+        batch_invars=frozenset(var_map[v] for v in invars if v in graph.batch_invars),
     )
     # hashed from its contents, as a traced program is: a saved stage plan names the piece by it
     return Subgraph(_with_fingerprint(piece), tuple(invars), tuple(outvars), var_map)

@@ -30,6 +30,7 @@ from jax.extend import core as jcore
 
 from alpa_lab._gc import quiet_gc
 from alpa_lab.graph import markers
+from alpa_lab.graph.analysis import find_aliases
 from alpa_lab.graph.opgraph import EXTENDED_DTYPES, Op, OpGraph, Var
 
 # primitive -> name of the param holding the body to inline
@@ -62,7 +63,9 @@ class TraceError(ValueError):
 
 
 @quiet_gc()
-def trace(fn: Callable, *args: Any, traced_consts: bool = False, cut: bool = True) -> OpGraph:
+def trace(
+    fn: Callable, *args: Any, traced_consts: bool = False, cut: bool = True, batch_leaves: Sequence[bool] | None = None
+) -> OpGraph:
     """Trace ``fn(*args)`` into an OpGraph (args are example arrays or pytrees of them).
 
     ``traced_consts`` lets ``fn`` close over tracers of an enclosing transformation (the
@@ -71,7 +74,13 @@ def trace(fn: Callable, *args: Any, traced_consts: bool = False, cut: bool = Tru
     ``cut=False`` is for a plan on one mesh (not traced per micro-batch): an argument-less
     ``mark_stage_boundary()`` is then a no-op wherever it is, as under ``jax.jit`` and as
     Alpa's ``ShardParallel`` treats a model written with ``mark_pipeline_boundary()``.
+    ``batch_leaves``: which flat arguments the user named as the batch (``OpGraph.batch_invars``).
     """
+    if batch_leaves is not None:
+        graph = trace(fn, *args, traced_consts=traced_consts, cut=cut)
+        named = dataclasses.replace(graph, batch_invars=frozenset(v for v, b in zip(graph.invars, batch_leaves, strict=True) if b))
+        # kept only where it changes what is state: otherwise the program (and its fingerprint) is the unnamed one's
+        return graph if find_aliases(named) == find_aliases(graph) else _with_fingerprint(named)
     if markers.watching_boundaries() or not cut:  # inside another trace, that one handles boundaries
         return _trace(fn, args, traced_consts)
     with markers.watch_boundaries() as calls:
@@ -491,6 +500,8 @@ def _with_fingerprint(graph: OpGraph) -> OpGraph:
     for op in graph.ops:
         h.update(f"{op.name}:{op.inputs}:{op.outputs}:{op.signature or param_signature(op.params)};".encode())
     h.update(f"{graph.invars}->{graph.outvars}".encode())
+    if graph.batch_invars:  # which results are new state, and so what the program returns in place
+        h.update(f"batch {sorted(graph.batch_invars)}".encode())
     for vid in sorted(graph.literals):
         h.update(f"{vid}={_value_digest(graph.literals[vid], graph.vars[vid].dtype)};".encode())
     for vid in sorted(graph.consts):
