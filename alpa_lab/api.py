@@ -84,11 +84,14 @@ def plan_graph(
     batch_vars: frozenset[int] | None = None,
     batch_mesh_axis: int | None = None,
     forbidden: tuple[str, ...] = (),
+    weight_update_sharding: bool = True,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest plan over the candidate mesh shapes (``batch_vars``: the
     arguments the data-parallel methods split, where the user named them; ``batch_mesh_axis``: Alpa's
     ``force_batch_dim_to_mesh_dim``, the mesh axis every batch tensor stays split over; ``forbidden``: collective
-    kinds no strategy or resharding may issue, Alpa's ``allow_all_gather=False`` / ``allow_all_to_all=False``)."""
+    kinds no strategy or resharding may issue, Alpa's ``allow_all_gather=False`` / ``allow_all_to_all=False``;
+    ``weight_update_sharding=False``: the ILP's own method leaves the weight update as the ILP placed it, as Alpa's
+    ``ShardParallel`` does without ``prefer_reduce_scatter``)."""
     if method not in METHODS:
         raise MethodError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     shapes = [tuple(mesh_shape)] if mesh_shape is not None else cluster.logical_mesh_shapes()
@@ -103,7 +106,8 @@ def plan_graph(
         try:
             sg, solved = solve_tied(
                 lambda period, mesh=mesh: dataclasses.replace(
-                    build_strategy_graph(graph, mesh, tie_period=period), batch_vars=batch_vars, batch_mesh_axis=batch_mesh_axis),
+                    build_strategy_graph(graph, mesh, tie_period=period), batch_vars=batch_vars, batch_mesh_axis=batch_mesh_axis,
+                    weight_update_sharding=weight_update_sharding),
                 method, pins, memory_budget=memory_budget,
             )
         except MethodError as exc:
@@ -524,6 +528,7 @@ class ParallelizedStep:
     ):
         alpa_default = method is None
         batch_mesh_axis = None
+        weight_update_sharding = True
         forbidden: tuple[str, ...] = ()
         manual_sharding = None
         stage_inputs: tuple[tuple[str, ...], ...] | None = None
@@ -551,6 +556,7 @@ class ParallelizedStep:
             logical_meshes, stage_option = opts.get("logical_meshes", logical_meshes), opts.get("stage_option", stage_option)
             stage_inputs = opts.get("stage_input_shardings")
             batch_mesh_axis = opts.get("batch_mesh_axis")
+            weight_update_sharding = opts.get("weight_update_sharding", True)
             manual_sharding = opts.get("manual_sharding")
             forbidden = opts.get("forbidden", ())
             if "cluster" in opts:  # the method's devices= (Alpa's device meshes) say the cluster and maybe the grid
@@ -639,6 +645,9 @@ class ParallelizedStep:
         self.mesh_shape = mesh_shape
         self.method = method
         self.batch_mesh_axis: int | None = batch_mesh_axis
+        self.weight_update_sharding = weight_update_sharding
+        """the paper's post-ILP weight-update sharding on a single mesh (Alpa's ``ShardParallel`` asks for it with
+        ``prefer_reduce_scatter``; this planner's own ``method="alpa"`` always)"""
         self.manual_sharding = manual_sharding
         """Alpa's ``ManualShardingOption``: pins of the arguments and results, on the cluster's (hosts x devices) mesh"""
         """Alpa's ``force_batch_dim_to_mesh_dim`` (a method object's ``AutoShardingOption``): the plan's mesh, or every stage's"""
@@ -1007,6 +1016,7 @@ class ParallelizedStep:
                 batch_vars=self._batch_vars(args),
                 batch_mesh_axis=self.batch_mesh_axis,
                 forbidden=self.forbidden_collectives,
+                weight_update_sharding=self.weight_update_sharding,
             )
         if not pins:
             with self._cache_lock:
@@ -1157,7 +1167,8 @@ class ParallelizedStep:
                     batch = frozenset(v for p, v in zip(graph.in_paths, graph.invars) if p in plan.batch_inputs)
                 else:
                     batch = self._batch_vars(args)
-                plan = dataclasses.replace(plan, problem=dataclasses.replace(sg, batch_vars=batch, batch_mesh_axis=plan.batch_mesh_axis))
+                plan = dataclasses.replace(plan, problem=dataclasses.replace(
+                    sg, batch_vars=batch, batch_mesh_axis=plan.batch_mesh_axis, weight_update_sharding=plan.weight_update_sharding))
         self.current_plan = plan
         return plan
 
@@ -1471,6 +1482,7 @@ class ParallelizedStep:
             method=plan.method, memory_budget=plan.memory_budget,
             pins=dict(plan.pins) or None, batch_vars=self._batch_vars(args or tuple(self._last_args)),
             batch_mesh_axis=plan.batch_mesh_axis, forbidden=plan.forbidden_collectives,
+            weight_update_sharding=plan.weight_update_sharding,
         )
         self.cluster = cluster  # only once planned: a failed re-plan leaves the step as it was
         self.current_plan = new

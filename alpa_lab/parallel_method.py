@@ -710,6 +710,8 @@ class ShardParallel(ParallelMethod):
         axis = _mesh_axis_option(self.auto_sharding_option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
         if axis != -1 and out["method"] == "alpa":  # force_data_parallel / ZeRO: the batch over every device
             out["batch_mesh_axis"] = axis
+        if out["method"] == "alpa" and not self.auto_sharding_option.prefer_reduce_scatter:
+            out["weight_update_sharding"] = False  # Alpa's ShardParallel splits the weight update only when asked
         if self.auto_sharding_option.forbidden_collectives():
             out["forbidden"] = self.auto_sharding_option.forbidden_collectives()
         if self.num_micro_batches is not None and self.num_micro_batches != 1:
@@ -809,6 +811,8 @@ class PlanMethod(ParallelMethod):
             out["mesh_shape"] = tuple(plan.mesh_shape)
             if plan.batch_mesh_axis is not None:
                 out["batch_mesh_axis"] = plan.batch_mesh_axis
+            if not plan.weight_update_sharding:
+                out["weight_update_sharding"] = False
         return out
 
 

@@ -97,7 +97,8 @@ def classify_arguments(graph: OpGraph) -> dict[int, str]:
 
     State is what the step returns in place of an argument (see ``find_aliases``). A state
     leaf that the step's other results (the loss) or its gradients (``al.grad``'s marked
-    gradients: a step returning only its new state reports no loss) depend on is a parameter;
+    gradients: a step returning only its new state reports no loss; without them, the ops JAX's differentiation
+    names ``jvp(...)``: Alpa's tests' ``jax.grad`` steps returning the new state alone) depend on is a parameter;
     state that only feeds the update of state (Adam's moments, a step counter, BatchNorm
     statistics in training) is optimizer state. Arguments not returned are data (the batch).
     """
@@ -106,7 +107,10 @@ def classify_arguments(graph: OpGraph) -> dict[int, str]:
     reported = [v for pos, v in enumerate(graph.outvars) if pos not in aliases]
     gradients = [v for op in graph.ops
                  if op.primitive == "pipeline_marker" and op.params.get("kind") == "gradient" for v in op.inputs]
-    loss_inputs = _ancestor_arguments(graph, reported + gradients)
+    if reported or gradients:
+        loss_inputs = _ancestor_arguments(graph, reported + gradients)
+    else:  # only the new state, differentiated by jax.grad: the state the differentiated function reads is the parameters
+        loss_inputs = _ancestor_arguments(graph, [v for op in graph.ops if under_autodiff(op.label) for v in op.inputs])
     kinds = {}
     for vid in graph.invars:
         if vid not in state:
@@ -116,6 +120,11 @@ def classify_arguments(graph: OpGraph) -> dict[int, str]:
         else:
             kinds[vid] = "optimizer_state"
     return kinds
+
+
+def under_autodiff(label: str) -> bool:
+    """Whether an op's name stack puts it under JAX's differentiation (``jvp(...)``, or its ``transpose(...)``)."""
+    return "jvp(" in label or "transpose(" in label
 
 
 def _ancestor_arguments(graph: OpGraph, outputs: list[int]) -> set[int]:

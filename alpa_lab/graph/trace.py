@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 
 from alpa_lab._gc import quiet_gc
 from alpa_lab.graph import markers
-from alpa_lab.graph.analysis import find_aliases
+from alpa_lab.graph.analysis import find_aliases, under_autodiff
 from alpa_lab.graph.opgraph import EXTENDED_DTYPES, Op, OpGraph, Var
 
 # primitive -> name of the param holding the body to inline
@@ -93,11 +93,11 @@ def trace(
     with markers.watch_boundaries(), markers.cutting_boundaries():
         graph = _trace(fn, args, traced_consts)
     stray = [op for op in graph.ops if markers.is_cut(op)]
-    if stray and not any(_under_autodiff(op.label) for op in graph.ops):
+    if stray and not any(under_autodiff(op.label) for op in graph.ops):
         return graph  # a program with no backward (an evaluation): nothing to mirror, the markers are no-ops
     if stray:
         where = stray[0].label or "the step's top level"
-        if _under_autodiff(where):  # inside jax.grad: the usual case of code written for jax.grad
+        if under_autodiff(where):  # inside jax.grad: the usual case of code written for jax.grad
             raise TraceError(
                 f"could not trace {getattr(fn, '__name__', fn)!r}: mark_stage_boundary() without arguments (at {where}) "
                 "is inside a gradient that jax.grad / jax.value_and_grad takes, which cannot mirror the cut in the "
@@ -112,11 +112,6 @@ def trace(
             "x = mark_stage_boundary(x)"
         )
     return graph
-
-
-def _under_autodiff(label: str) -> bool:
-    """Whether an op's name stack puts it under JAX's differentiation (``jvp(...)``, or its ``transpose(...)``)."""
-    return "jvp(" in label or "transpose(" in label
 
 
 def static_hint(exc: BaseException | None, args: tuple) -> str:

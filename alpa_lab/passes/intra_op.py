@@ -114,6 +114,9 @@ class StrategyGraph:
     batch_mesh_axis: int | None = None
     """Alpa's ``force_batch_dim_to_mesh_dim``: every tensor with a batch dimension keeps it split over this mesh
     axis alone (whole where that axis has one device); None: the ILP chooses (``passes.methods``)"""
+    weight_update_sharding: bool = True
+    """whether the ILP's own method applies the paper's post-ILP weight-update sharding (``methods.shard_weight_update``);
+    False for Alpa's ``ShardParallel`` without ``prefer_reduce_scatter``, which leaves the update replicated"""
 
     @functools.cached_property
     def _node_indices(self) -> dict[str, int]:

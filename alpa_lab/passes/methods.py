@@ -69,7 +69,7 @@ def solve_method(
     with the best plan found by then."""
     restrictions = method_restrictions(method, sg, pins)
     solution = solve_strategy_graph(sg, pins, restrictions=restrictions, memory_budget=memory_budget, time_limit=time_limit)
-    if method != "alpa":
+    if method != "alpa" or not sg.weight_update_sharding:
         return MethodSolution(solution, restrictions)
     return shard_weight_update(sg, solution, pins or {}, memory_budget, restrictions, time_limit=time_limit)
 
@@ -525,6 +525,7 @@ def make_plan(
         mesh_candidates=tuple(mesh_candidates),
         batch_inputs=None if sg.batch_vars is None else tuple(p for p, v in zip(in_paths, sg.invars) if v in sg.batch_vars),
         batch_mesh_axis=sg.batch_mesh_axis,
+        weight_update_sharding=sg.weight_update_sharding,
         forbidden_collectives=sg.mesh.forbidden,
         unplanned_primitives=sg.unplanned_primitives,
         rewrites=solved.rewrites,

@@ -25,7 +25,9 @@ import numpy as np
 
 from alpa_lab.cost.cluster import Collective, _fmt_bytes
 from alpa_lab.graph.opgraph import OpGraph, did_you_mean
-from alpa_lab.plan.schema import PIPELINE_PLAN_TYPE, SCHEMA_VERSION, PlanFormatError, _collectives, _plan_json, _read_plan_file
+from alpa_lab.plan.schema import (
+    PIPELINE_PLAN_TYPE, SCHEMA_VERSION, PlanFormatError, _collectives, _flag, _plan_json, _read_plan_file,
+)
 from alpa_lab.sharding.constraints import ConstrainedStep, DeviceError, device_mesh, spec_sharding
 
 if TYPE_CHECKING:
@@ -247,6 +249,9 @@ class Plan:
     batch_mesh_axis: int | None = None
     """Alpa's ``force_batch_dim_to_mesh_dim``: the mesh axis every batch tensor was kept split over (saved, so a
     re-solve of the loaded plan keeps it); None: the ILP chose"""
+    weight_update_sharding: bool = True
+    """whether the plan's method may split the weight update (the paper's post-ILP rewrite; Alpa's ``ShardParallel``
+    asks for it with ``prefer_reduce_scatter``): saved, so a re-solve of the loaded plan does as it did"""
     forbidden_collectives: tuple[str, ...] = ()
     """collective kinds the plan was made without (Alpa's ``allow_all_gather=False`` / ``allow_all_to_all=False``):
     saved, so a re-solve of the loaded plan forbids them too"""
@@ -556,6 +561,7 @@ def _plan_from_dict(d: dict) -> Plan:
         rewrites=tuple(d.get("rewrites", [])),
         batch_inputs=None if d.get("batch_inputs") is None else tuple(str(p) for p in d["batch_inputs"]),
         batch_mesh_axis=None if d.get("batch_mesh_axis") is None else _mesh_axis(d["batch_mesh_axis"]),
+        weight_update_sharding=_flag(d.get("weight_update_sharding", True)),
         forbidden_collectives=_forbidden(d.get("forbidden_collectives", [])),
     )
 
