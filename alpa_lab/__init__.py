@@ -50,6 +50,7 @@ _LAZY = {
     "set_global_virtual_physical_mesh": "alpa_lab.api",
     "clear_executable_cache": "alpa_lab.api",
     "plan_graph": "alpa_lab.api",
+    "DynamicScale": "alpa_lab.graph.loss_scale",  # imports Flax
     "RayCluster": "alpa_lab.runtime.ray_cluster",
     "RayClusterError": "alpa_lab.runtime.ray_cluster",
     "LaunchError": "alpa_lab.runtime.ray_run",
@@ -80,6 +81,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     *_ALPA_METHODS,
+    "DynamicScale",
     "METHODS",
     "PRESETS",
     "CheckpointError",

@@ -579,6 +579,33 @@ class LogicalDeviceMesh:
     def flatten_ids(self) -> tuple[int, ...]:
         return tuple(getattr(d, "id", d) for d in self.devices)
 
+    def _collective_cost(self, kind: str, num_bytes: float, mesh_dim: int) -> float:
+        if mesh_dim not in (0, 1):
+            raise MethodOptionError(f"mesh_dim must be 0 or 1 (the mesh's axes), got {mesh_dim!r}")
+        return self.cluster_spec().logical_mesh(self.shape).collective_cost(kind, float(num_bytes), (mesh_dim,))
+
+    def all_reduce_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        """What the planner charges an all-reduce of ``num_bytes`` over mesh axis ``mesh_dim``: alpha + beta * 2 (n - 1)
+        / n * bytes (Alpa's tests build their expected objectives from it)."""
+        return self._collective_cost("all-reduce", num_bytes, mesh_dim)
+
+    def all_gather_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        """An all-gather producing ``num_bytes`` over ``mesh_dim``: alpha + beta * (n - 1) / n * bytes."""
+        return self._collective_cost("all-gather", num_bytes, mesh_dim)
+
+    def reduce_scatter_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        """A reduce-scatter of ``num_bytes`` over ``mesh_dim``: alpha + beta * (n - 1) / n * bytes."""
+        return self._collective_cost("reduce-scatter", num_bytes, mesh_dim)
+
+    def all_to_all_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        """An all-to-all of ``num_bytes`` over ``mesh_dim``: alpha + beta * (n - 1) / n * bytes."""
+        return self._collective_cost("all-to-all", num_bytes, mesh_dim)
+
+    def flatten(self) -> LogicalDeviceMesh:
+        """The same devices as one line (an n x 1 grid), each axis priced as the slower of this grid's: a collective
+        over all of them crosses the slower links."""
+        return LogicalDeviceMesh(self.devices, (self.num_devices, 1), (max(self.mesh_alpha),) * 2, (max(self.mesh_beta),) * 2)
+
     def cluster_spec(self) -> Any:
         """The cluster this grid means to the planner (see the class docstring)."""
         from alpa_lab.cost.cluster import ClusterSpec

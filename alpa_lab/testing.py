@@ -9,6 +9,7 @@ in the model cuts a pipeline, and run as plain JAX too (the serial reference a t
 from __future__ import annotations
 
 import functools
+import unittest
 from collections.abc import Callable
 from typing import Any
 
@@ -18,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
-from flax.training.dynamic_scale import DynamicScale
 
+from alpa_lab.graph.loss_scale import DynamicScale
 from alpa_lab.graph.markers import mark_pipeline_boundary, value_and_grad
 
 __all__ = [
-    "BertLayerModel", "MLPModel", "TrainState", "assert_allclose", "create_train_state", "data_loader_input_iter_func",
+    "BertLayerModel", "MLPModel", "PipelineBasicTest", "TrainState", "assert_allclose", "create_train_state", "data_loader_input_iter_func",
     "get_bert_layer_train_state_and_step", "get_mlp_train_state_and_step", "mlp_inference_step",
 ]
 
@@ -151,7 +152,7 @@ def get_bert_layer_train_state_and_step(batch_size: int, seq_len: int, num_layer
                                         clip_by_global_norm: bool = False, use_dynamic_scale: bool = False,
                                         add_manual_pipeline_marker: bool = True) -> tuple[TrainState, dict, Callable]:
     """(state, batch, train_step) of a ``BertLayerModel`` fitting random ``y`` (Adam; optionally clipped by global
-    norm first, and with a dynamic loss scale)."""
+    norm first, and with a dynamic loss scale: ``alpa_lab.DynamicScale``, whose gradients a pipeline can cut)."""
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (batch_size, seq_len, hidden_size))
     y = jax.random.normal(jax.random.fold_in(key, 1), (batch_size, seq_len, hidden_size))
@@ -184,3 +185,77 @@ def data_loader_input_iter_func(start: int, end: int, batch_size: int):
     ys = np.arange(1024, dtype=np.int32)
     for i in range(start, start + (end - start) // batch_size * batch_size, batch_size):
         yield xs[i:i + batch_size], ys[i:i + batch_size]
+
+
+class PipelineBasicTest(unittest.TestCase):
+    """Alpa's base class for pipeline tests: each test plans a small model with ``PipeshardParallel`` (4
+    micro-batches), runs it, and checks it against the serial step; ``run_mlp`` / ``run_n_layer_bert`` return the
+    executable's HLO texts for the test to count collectives in.
+
+    The session is a local one (``init("local")``: the in-process runtime on this process's devices), where Alpa's
+    starts Ray; a subclass wanting mesh workers overrides ``setUp`` with ``init("ray")``.
+    """
+
+    def setUp(self) -> None:
+        from alpa_lab.api import init
+
+        init("local")
+
+    def tearDown(self) -> None:
+        from alpa_lab.api import shutdown
+
+        shutdown()
+
+    @staticmethod
+    def _method(num_layers: int, manual_pipeline_layer: bool, use_remat: bool, stage_option: Any, as_option: Any) -> Any:
+        from alpa_lab.parallel_method import AutoLayerOption, AutoShardingOption, ManualLayerOption, PipeshardParallel
+
+        layers = (ManualLayerOption(remat_layer=use_remat) if manual_pipeline_layer else
+                  AutoLayerOption(layer_num=num_layers, remat_mode="coarse_grained_remat" if use_remat else "none"))
+        return PipeshardParallel(num_micro_batches=4, default_auto_sharding_option=as_option or AutoShardingOption(),
+                                 layer_option=layers, stage_option=stage_option or "uniform")
+
+    @staticmethod
+    def _compare(train_step: Callable, state: Any, batch: Any, method: Any, steps: int, atol: float) -> Any:
+        """Run ``steps`` steps serially and parallelized from ``state``, comparing the new parameters and the
+        loss after each; the executable of the parallelized step."""
+        from alpa_lab.api import parallelize
+
+        parallel = parallelize(train_step, method=method)
+        executable = parallel.get_executable(state, batch)
+        expected = actual = state
+        for _ in range(steps):
+            expected, expected_loss = train_step(expected, batch)
+            actual, actual_loss = parallel(actual, batch)
+            assert_allclose(expected.params, actual.params, 1e-3, atol)
+            assert_allclose(expected_loss, actual_loss, 1e-3, 1e-3)
+        return executable
+
+    def run_mlp(self, manual_pipeline_layer: bool = True, use_remat: bool = False, stage_option: Any = None,
+                as_option: Any = None, do_numerical_test: bool = True) -> Any:
+        """A 4-layer MLP (batch 64, width 16), three steps against the serial ones; its HLO texts."""
+        state, batch, step = get_mlp_train_state_and_step(64, 16, num_layers=4, add_manual_pipeline_marker=manual_pipeline_layer)
+        method = self._method(2, manual_pipeline_layer, use_remat, stage_option, as_option)
+        if not do_numerical_test:
+            from alpa_lab.api import parallelize
+
+            return parallelize(step, method=method).get_executable(state, batch).get_hlo_text()
+        return self._compare(step, state, batch, method, 3, 1e-3).get_hlo_text()
+
+    def run_n_layer_bert(self, num_layers: int, batch_size: int = 16, seq_len: int = 256, hidden_size: int = 512,
+                         num_heads: int = 8, use_remat: bool = False, clip_by_global_norm: bool = False,
+                         use_dynamic_scale: bool = False, inject_train_step: Callable | None = None,
+                         manual_pipeline_layer: bool = True, stage_option: Any = None, as_option: Any = None,
+                         do_numerical_test: bool = True) -> Any:
+        """``num_layers`` BERT encoder layers, one step against the serial one (``inject_train_step``: another
+        step on the same state and batch); its HLO texts."""
+        state, batch, step = get_bert_layer_train_state_and_step(
+            batch_size, seq_len, num_layers, hidden_size, num_heads, clip_by_global_norm=clip_by_global_norm,
+            use_dynamic_scale=use_dynamic_scale, add_manual_pipeline_marker=manual_pipeline_layer)
+        step = inject_train_step or step
+        method = self._method(num_layers, manual_pipeline_layer, use_remat, stage_option, as_option)
+        if not do_numerical_test:
+            from alpa_lab.api import parallelize
+
+            return parallelize(step, method=method).get_executable(state, batch).get_hlo_text()
+        return self._compare(step, state, batch, method, 1, 1.5e-3).get_hlo_text()

@@ -29,6 +29,7 @@ RANK.update(
     {
         "models": RANK["api"],  # example programs, written against the public markers
         "testing": RANK["api"],  # Alpa's test helpers: models and steps written against the public markers
+        "util": RANK["api"],  # Alpa's alpa.util helpers: HLO counts, FLOP counts, a timing loop
         "cli": RANK["api"],  # the command line: calls the public API
         "parallel_method": RANK["api"],  # Alpa's method objects: the options parallelize takes
         "__main__": RANK["api"],

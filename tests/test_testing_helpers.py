@@ -43,9 +43,8 @@ def test_bert_layers_shard_and_pipeline(options):
         batch_size=8, seq_len=16, num_layers=2, hidden_size=32, num_heads=2, add_manual_pipeline_marker=True, **options)
     assert (state.dynamic_scale is not None) == bool(options)
     run_against_serial(al.ShardParallel(), state, batch, train_step, steps=1)
-    if not options:
-        method = al.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option="uniform")
-        assert len(run_against_serial(method, state, batch, train_step, steps=1).current_plan.stages) == 2
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option="uniform")
+    assert len(run_against_serial(method, state, batch, train_step, steps=1).current_plan.stages) == 2
 
 
 def test_assert_allclose_can_fail_and_the_loader_data_is_alpas():
@@ -59,3 +58,51 @@ def test_assert_allclose_can_fail_and_the_loader_data_is_alpas():
     batches = list(data_loader_input_iter_func(64, 200, 32))
     assert len(batches) == 4 and batches[0][0][0, 0] == 64 * 32 and batches[-1][1][-1] == 64 + 4 * 32 - 1
     assert all(x.shape == (32, 32) and x.dtype == np.float32 and y.dtype == np.int32 for x, y in batches)
+
+
+def test_a_dynamic_loss_scale_pipelines_and_skips_non_finite_steps():
+    """Flax's ``DynamicScale`` differentiates with ``jax.value_and_grad``, where an argument-less boundary cannot be
+    mirrored, so the helper's own ``use_dynamic_scale=True`` step refused to pipeline; ``al.DynamicScale`` (Alpa's
+    own, for that reason) takes the gradient with ``al.value_and_grad``. Oracles: the same step with Flax's
+    ``DynamicScale`` under ``jax.jit`` (params 1e-3, the scale and its counter exactly); a NaN in the batch leaves
+    the weights as they were and halves the scale, as Flax's rule does."""
+    from flax.training.dynamic_scale import DynamicScale as FlaxDynamicScale
+
+    state, batch, step = get_bert_layer_train_state_and_step(8, 16, 2, 32, 4, use_dynamic_scale=True,
+                                                             add_manual_pipeline_marker=True)
+    assert isinstance(state.dynamic_scale, al.DynamicScale)
+    method = al.PipeshardParallel(num_micro_batches=2, layer_option="manual")
+    parallel = al.parallelize(step, method=method)
+    flax_state = state.replace(dynamic_scale=FlaxDynamicScale())
+    for bad in (False, True):
+        data = dict(batch, x=batch["x"].at[0, 0, 0].set(np.nan)) if bad else batch
+        want, want_loss = jax.jit(step)(flax_state, data)
+        got, loss = parallel(state, data)
+        assert_allclose(want.params, got.params, 1e-3, 1e-3)
+        assert float(got.dynamic_scale.scale) == float(want.dynamic_scale.scale) == (32768.0 if bad else 65536.0)
+        assert int(got.dynamic_scale.fin_steps) == int(want.dynamic_scale.fin_steps) == (0 if bad else 1)
+        if bad:
+            assert_allclose(state.params, got.params, 0, 0)
+        else:
+            assert_allclose(want_loss, loss, 1e-3, 1e-3)
+
+
+def test_pipeline_basic_test_runs_alpas_cases():
+    """``PipelineBasicTest`` as Alpa's pipeline tests subclass it: ``run_mlp`` (manual and automatic layers, three
+    steps) and ``run_n_layer_bert`` (clipped, loss-scaled) against the serial steps (``assert_allclose``, which
+    ``test_assert_allclose_can_fail_and_the_loader_data_is_alpas`` shows can fail), returning the HLO texts the
+    tests count collectives in."""
+    from alpa_lab.testing import PipelineBasicTest
+
+    case = PipelineBasicTest()
+    case.setUp()
+    try:
+        for manual in (True, False):
+            texts = case.run_mlp(manual_pipeline_layer=manual)
+            assert texts and all("HloModule" in t for t in texts)
+            assert al.count_communication_primitives(texts)[0] >= 0
+        texts = case.run_n_layer_bert(2, batch_size=8, seq_len=16, hidden_size=32, num_heads=2, use_dynamic_scale=True,
+                                      clip_by_global_norm=True)
+        assert len(texts) >= 4  # two stages' forward and backward at least
+    finally:
+        case.tearDown()
