@@ -378,7 +378,11 @@ def _mesh_axis_option(axis: Any, what: str) -> int:
 
 # ----- methods ---------------------------------------------------------------------------------
 class ParallelMethod:
-    """A way to parallelize a step: ``options()`` are the ``parallelize`` keyword arguments it means."""
+    """A way to parallelize a step: ``options()`` are the ``parallelize`` keyword arguments it means.
+
+    ``ShardParallel`` (and its data-parallel kin) and ``PipeshardParallel`` are mutable, as Alpa's: its tests set
+    ``method.devices = ...`` or ``method.as_option = ...`` before ``parallelize``, which reads them once.
+    """
 
     def options(self) -> dict[str, Any]:  # pragma: no cover - every method overrides it
         raise NotImplementedError
@@ -699,7 +703,7 @@ def _mesh_options(devices: Any, name: str) -> dict[str, Any]:
         "parallelize(cluster=al.ClusterSpec.local(hosts, devices_per_host))")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardParallel(ParallelMethod):
     """Intra-op parallelism only: one mesh of every device, sharded by the ILP (Alpa's default method).
 
@@ -722,6 +726,10 @@ class ShardParallel(ParallelMethod):
     @property
     def as_option(self) -> AutoShardingOption:
         return self.auto_sharding_option
+
+    @as_option.setter
+    def as_option(self, option: AutoShardingOption) -> None:
+        self.auto_sharding_option = option
 
     def options(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
@@ -848,7 +856,7 @@ def plan_to_method(plan: Any) -> PlanMethod:
     return PlanMethod(plan)
 
 
-@dataclass(frozen=True)
+@dataclass
 class DataParallel(ShardParallel):
     """Data parallelism: weights replicated, the batch split over every device, gradients all-reduced.
 
@@ -860,7 +868,7 @@ class DataParallel(ShardParallel):
         default_factory=lambda: AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=False), init=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Zero2Parallel(ShardParallel):
     """ZeRO-2: gradients reduce-scattered, optimizer state partitioned."""
 
@@ -868,7 +876,7 @@ class Zero2Parallel(ShardParallel):
         default_factory=lambda: AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True), init=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Zero3Parallel(ShardParallel):
     """ZeRO-3: weights partitioned too, gathered where used."""
 
@@ -876,7 +884,7 @@ class Zero3Parallel(ShardParallel):
         default_factory=lambda: AutoShardingOption(force_zero_stage_3=True), init=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PipeshardParallel(ParallelMethod):
     """Inter- and intra-op parallelism: layers grouped into pipeline stages on sub-meshes, each stage sharded.
 
@@ -908,6 +916,10 @@ class PipeshardParallel(ParallelMethod):
     def as_option(self) -> AutoShardingOption:
         """Every stage's ``AutoShardingOption`` (Alpa's name; its tests set fields on it before planning)."""
         return self.default_auto_sharding_option
+
+    @as_option.setter
+    def as_option(self, option: AutoShardingOption) -> None:
+        self.default_auto_sharding_option = option
 
     def options(self) -> dict[str, Any]:
         _no_manual_sharding(self.manual_sharding_option, type(self).__name__)

@@ -495,3 +495,20 @@ def test_alpas_3d_parallel_method_is_equal_stages_with_the_batch_on_axis_0(mlp):
 def test_bad_3d_parallel_sizes_say_what_is_wrong(args, kwargs, match):
     with pytest.raises(MethodOptionError, match=match):
         al.get_3d_parallel_method(*args, **kwargs)
+
+
+def test_method_objects_are_set_up_field_by_field_as_alpas_tests_do():
+    """Alpa's tests make a method once and set ``method.devices`` / ``method.as_option`` per case before
+    ``parallelize`` reads them; the plan is made on that grid with that option."""
+    import jax
+
+    method = al.ShardParallel()
+    method.devices = al.LocalPhysicalDeviceMesh(jax.local_devices()[:4]).get_logical_mesh((2, 2), [1, 1], [1, 1])
+    method.as_option = al.AutoShardingOption(force_data_parallel=True)
+    step = al.parallelize(lambda w, x: (x @ w).sum(), method=method)
+    plan = step.plan(jax.numpy.ones((8, 8)), jax.numpy.ones((16, 8)))
+    assert tuple(plan.mesh_shape) == (2, 2) and plan.method == "data_parallel"
+    pipe = al.PipeshardParallel(num_micro_batches=2)
+    pipe.stage_option = al.UniformStageOption()
+    pipe.as_option.prefer_reduce_scatter = False
+    assert isinstance(pipe.options()["stage_option"], al.UniformStageOption)
