@@ -2018,11 +2018,13 @@ def _refuse_named_state(
     fn: Callable, args: tuple, batch_argnums: tuple[int, ...], named: tuple[bool, ...], graph: OpGraph | None = None,
     *, inference: bool = False,
 ) -> None:
-    """Raise if ``batch_argnums`` names the step's state: what the shapes alone take for state (results with an
-    argument's path, shape and dtype: ``find_aliases(named_batch=True)``) found in ``graph`` (the micro-batch's
-    trace) or, without one, in the full arguments' ``jax.eval_shape``, is all among the named leaves. Where other
-    state is returned beside them (``step(state, batch) -> (state, reconstruction)``), or the step is an inference
-    step (which returns no state), the user is taken at their word: a result shaped like the batch is per example."""
+    """Raise if ``batch_argnums`` names the step's state. What the shapes alone take for state (results with an
+    argument's path, shape and dtype: ``find_aliases(named_batch=True)``) is found in ``graph`` (the micro-batch's
+    trace) or, without one, in the full arguments' ``jax.eval_shape``; the named leaves are state where that is
+    all among them, or where a named argument of several leaves comes back whole (an optimizer state, Adam's
+    moments in ``step(params, opt_state, batch)`` under Alpa's default ``(1,)``). A single array named beside
+    other state (``step(state, batch) -> (state, reconstruction)``), or any argument of an inference step (which
+    returns no state), is taken at the user's word: a result shaped like it is per example."""
     if inference:
         return
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
@@ -2036,7 +2038,12 @@ def _refuse_named_state(
             return
         state = set(state_aliases(_argument_leaves(flat), results).values())
     returned = [_path_str(p) for i, ((p, _), s) in enumerate(zip(flat, named)) if s and i in state]
-    if returned and all(named[i] for i in state):
+    leaves_of: dict[Any, list[int]] = {}
+    for i, (p, _) in enumerate(flat):
+        leaves_of.setdefault(getattr(p[0], "idx", None) if p else None, []).append(i)
+    named_args = {getattr(p[0], "idx", None) for (p, _), s in zip(flat, named) if s and p}
+    whole = any(len(leaves_of[k]) >= 2 and all(i in state for i in leaves_of[k]) for k in named_args)
+    if returned and (whole or all(named[i] for i in state)):
         shown = ", ".join(returned[:3]) + (f" and {len(returned) - 3} more" if len(returned) > 3 else "")
         raise ValueError(
             f"batch_argnums={batch_argnums} names {shown}, which the step returns in place as its state: the batch "

@@ -364,6 +364,22 @@ def test_a_named_batch_is_never_state_even_where_a_result_is_shaped_like_it():
         np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(new_params["enc"]), np.asarray(want_params["enc"]), rtol=1e-5, atol=1e-6)
         assert not batch.is_deleted()
+    # exported (Plan.jit traces with the plan's named batch, so it is the plan's program)
+    plan = al.parallelize(autoencoder_step, cluster=al.ClusterSpec.local(1, 4), batch_argnums=(1,)).plan(params, batch)
+    _, y = plan.jit(autoencoder_step)(params, batch)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-5, atol=1e-6)
+
+    # the state named is still refused: Alpa's default (1,) on step(params, opt_state, batch) names Adam's state,
+    # which comes back whole (before this rule it was cut as the batch, and the real batch replicated)
+    tx = optax.adam(1e-2)
+
+    def three(params, opt_state, batch):
+        g = jax.grad(lambda p: jnp.mean((jnp.tanh(batch @ p["enc"]) @ p["dec"] - batch) ** 2))(params)
+        updates, opt_state = tx.update(g, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    with pytest.raises(ValueError, match=r"names \[1\]\[0\]\.count.*returns in place as its state"):
+        al.parallelize(three, method=al.DataParallel()).plan(params, tx.init(params), batch)
     # pipelined, the reconstruction is what it is, a per-example result (one per micro-batch), said as such
     piped = al.parallelize(autoencoder_step, cluster=LOCAL, microbatches=2, batch_argnums=(1,))
     with pytest.raises(ValueError, match=r"returns \[1\] per example"):
@@ -382,3 +398,34 @@ def test_a_named_batch_is_never_state_even_where_a_result_is_shaped_like_it():
     want_loss, want = jax.jit(infer)(w, batch)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+
+
+def test_a_state_only_jax_grad_step_tells_weights_from_statistics():
+    """A step returning only its new state, differentiated by ``jax.grad`` (Alpa's tests' form), reports no loss:
+    its parameters are the state the backward pass reads; BatchNorm's running statistics, updated beside the
+    gradient (``mutable=["batch_stats"]``), stay optimizer state, as they are for the same step returning its loss."""
+    from alpa_lab.graph.analysis import classify_arguments
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+
+    x = jnp.ones((16, 4))
+    model = Net()
+    variables = model.init(jax.random.PRNGKey(0), x)
+    tx = optax.adam(1e-2)
+
+    def step(params, stats, opt, x):
+        def loss(p):
+            out, new = model.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+            return jnp.mean(out ** 2), new["batch_stats"]
+
+        g, stats = jax.grad(loss, has_aux=True)(params)
+        updates, opt = tx.update(g, opt)
+        return optax.apply_updates(params, updates), stats, opt
+
+    graph = al.trace(step, variables["params"], variables["batch_stats"], tx.init(variables["params"]), x)
+    kinds = {p: classify_arguments(graph)[v] for p, v in zip(graph.in_paths, graph.invars)}
+    assert {p for p, k in kinds.items() if k == "param"} == {p for p in kinds if p.startswith("[0]")}, kinds
+    assert all(kinds[p] == "optimizer_state" for p in kinds if p.startswith(("[1]", "[2]"))), kinds

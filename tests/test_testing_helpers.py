@@ -4,6 +4,7 @@ step, params rtol/atol 1e-3 as ``PipelineBasicTest`` checks them)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -67,10 +68,13 @@ def test_a_dynamic_loss_scale_pipelines_and_skips_non_finite_steps():
     ``DynamicScale`` under ``jax.jit`` (params 1e-3, the scale and its counter exactly); a NaN in the batch leaves
     the weights as they were and halves the scale, as Flax's rule does."""
     from flax.training.dynamic_scale import DynamicScale as FlaxDynamicScale
+    from flax.training.dynamic_scale import DynamicScaleResult as FlaxDynamicScaleResult
 
     state, batch, step = get_bert_layer_train_state_and_step(8, 16, 2, 32, 4, use_dynamic_scale=True,
                                                              add_manual_pipeline_marker=True)
     assert isinstance(state.dynamic_scale, al.DynamicScale)
+    result = al.DynamicScale().value_and_grad(lambda w: (w ** 2).sum(), has_aux=False)(jnp.ones(3))
+    assert isinstance(result, FlaxDynamicScaleResult) and result.grad.tolist() == [2.0] * 3 and bool(result.finite)
     method = al.PipeshardParallel(num_micro_batches=2, layer_option="manual")
     parallel = al.parallelize(step, method=method)
     flax_state = state.replace(dynamic_scale=FlaxDynamicScale())

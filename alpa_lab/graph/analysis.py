@@ -97,8 +97,8 @@ def classify_arguments(graph: OpGraph) -> dict[int, str]:
 
     State is what the step returns in place of an argument (see ``find_aliases``). A state
     leaf that the step's other results (the loss) or its gradients (``al.grad``'s marked
-    gradients: a step returning only its new state reports no loss; without them, the ops JAX's differentiation
-    names ``jvp(...)``: Alpa's tests' ``jax.grad`` steps returning the new state alone) depend on is a parameter;
+    gradients: a step returning only its new state reports no loss; without them, the backward ops JAX names
+    ``transpose(...)``: Alpa's tests' ``jax.grad`` steps returning the new state alone) depend on is a parameter;
     state that only feeds the update of state (Adam's moments, a step counter, BatchNorm
     statistics in training) is optimizer state. Arguments not returned are data (the batch).
     """
@@ -109,8 +109,10 @@ def classify_arguments(graph: OpGraph) -> dict[int, str]:
                  if op.primitive == "pipeline_marker" and op.params.get("kind") == "gradient" for v in op.inputs]
     if reported or gradients:
         loss_inputs = _ancestor_arguments(graph, reported + gradients)
-    else:  # only the new state, differentiated by jax.grad: the state the differentiated function reads is the parameters
-        loss_inputs = _ancestor_arguments(graph, [v for op in graph.ops if under_autodiff(op.label) for v in op.inputs])
+    else:  # only the new state, differentiated by jax.grad: the parameters are the state the backward pass reads
+        # (what JAX names ``transpose(...)``: its residuals come from the weights), not what only the forward reads and
+        # returns updated beside the gradient (BatchNorm's statistics, taken with ``mutable=["batch_stats"]``)
+        loss_inputs = _ancestor_arguments(graph, [v for op in graph.ops if "transpose(" in op.label for v in op.inputs])
     kinds = {}
     for vid in graph.invars:
         if vid not in state:

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import struct
+from flax.training.dynamic_scale import DynamicScaleResult
 
 from alpa_lab.graph.markers import value_and_grad
 
@@ -31,10 +32,11 @@ class DynamicScale:
     minimum_scale: float | None = struct.field(pytree_node=False, default=float(jnp.finfo(jnp.float32).tiny))
 
     def value_and_grad(
-        self, fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
-    ) -> Callable[..., tuple[DynamicScale, jax.Array, Any, Any]]:
-        """``fun``'s value and gradients at the current scale: a function returning
-        ``(new DynamicScale, is_finite, value, grads)``, as Flax's does."""
+        self, fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, axis_name: str | None = None,
+    ) -> Callable[..., DynamicScaleResult]:
+        """``fun``'s value and gradients at the current scale: a function returning Flax's ``DynamicScaleResult``
+        ``(dynamic_scale, finite, aux, grad)``; ``axis_name``: the gradients averaged over that axis (under
+        ``pmap`` / ``shard_map``, as Flax's)."""
 
         @functools.wraps(fun)
         def scaled(*args: Any) -> Any:
@@ -43,10 +45,12 @@ class DynamicScale:
 
         differentiated = value_and_grad(scaled, argnums, has_aux)
 
-        def run(*args: Any) -> tuple[DynamicScale, jax.Array, Any, Any]:
+        def run(*args: Any) -> DynamicScaleResult:
             value, grads = differentiated(*args)
             value = (value[0] / self.scale, value[1]) if has_aux else value / self.scale
             grads = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads)
+            if axis_name is not None:
+                grads = jax.lax.pmean(grads, axis_name)
             finite = jnp.array(True)
             for g in jax.tree_util.tree_leaves(grads):
                 finite &= jnp.all(jnp.isfinite(g))
@@ -56,6 +60,6 @@ class DynamicScale:
             if self.minimum_scale is not None:
                 shrunk = jnp.maximum(shrunk, self.minimum_scale)
             new = self.replace(fin_steps=jnp.where(grow | ~finite, 0, self.fin_steps + 1), scale=jnp.where(finite, grown, shrunk))
-            return new, finite, value, grads
+            return DynamicScaleResult(new, finite, value, grads)
 
         return run

@@ -498,6 +498,7 @@ class Plan:
             in_specs=tuple(t.spec for t in self.inputs),
             out_specs=tuple(t.spec for t in self.outputs),
             mesh=self.mesh(devices),
+            batch_inputs=self.batch_inputs,
         )
 
 
