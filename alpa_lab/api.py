@@ -2008,10 +2008,11 @@ def _argument_leaves(flat: list) -> list[Leaf]:
     return [(_path_str(p), tuple(np.shape(x)), str(leaf_aval(x).dtype)) for p, x in flat]
 
 
-def _state_positions(graph: OpGraph) -> set[int]:
-    """Positions among the traced arguments of those the step returns in place (``find_aliases``)."""
+def _state_positions(graph: OpGraph, *, named_batch: bool = False) -> set[int]:
+    """Positions among the traced arguments of those the step returns in place (``find_aliases``; ``named_batch``:
+    the named batch too, where the shapes alone take it for state)."""
     position = {v: i for i, v in enumerate(graph.invars)}
-    return {position[v] for v in find_aliases(graph).values()}
+    return {position[v] for v in find_aliases(graph, named_batch=named_batch).values()}
 
 
 def _refuse_named_state(
@@ -2029,8 +2030,7 @@ def _refuse_named_state(
         return
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     if graph is not None:
-        position = {v: i for i, v in enumerate(graph.invars)}
-        state = {position[v] for v in find_aliases(graph, named_batch=True).values()}
+        state = _state_positions(graph, named_batch=True)
     else:
         try:
             results = _full_results(fn, args)

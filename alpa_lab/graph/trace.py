@@ -77,10 +77,7 @@ def trace(
     ``batch_leaves``: which flat arguments the user named as the batch (``OpGraph.batch_invars``).
     """
     if batch_leaves is not None:
-        graph = trace(fn, *args, traced_consts=traced_consts, cut=cut)
-        named = dataclasses.replace(graph, batch_invars=frozenset(v for v, b in zip(graph.invars, batch_leaves, strict=True) if b))
-        # kept only where it changes what is state: otherwise the program (and its fingerprint) is the unnamed one's
-        return graph if find_aliases(named) == find_aliases(graph) else _with_fingerprint(named)
+        return with_batch(trace(fn, *args, traced_consts=traced_consts, cut=cut), batch_leaves)
     if markers.watching_boundaries() or not cut:  # inside another trace, that one handles boundaries
         return _trace(fn, args, traced_consts)
     with markers.watch_boundaries() as calls:
@@ -112,6 +109,13 @@ def trace(
             "x = mark_stage_boundary(x)"
         )
     return graph
+
+
+def with_batch(graph: OpGraph, batch_leaves: Sequence[bool]) -> OpGraph:
+    """``graph`` with the flat arguments ``batch_leaves`` marks as the user's batch (``OpGraph.batch_invars``), kept
+    only where that changes what is state: otherwise the program (and its fingerprint) is the unnamed one's."""
+    named = dataclasses.replace(graph, batch_invars=frozenset(v for v, b in zip(graph.invars, batch_leaves, strict=True) if b))
+    return graph if find_aliases(named) == find_aliases(graph) else _with_fingerprint(named)
 
 
 def static_hint(exc: BaseException | None, args: tuple) -> str:

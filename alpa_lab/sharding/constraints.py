@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from alpa_lab.graph.analysis import find_aliases
 from alpa_lab.graph.evaluate import evaluate
 from alpa_lab.graph.opgraph import Op, OpGraph
-from alpa_lab.graph.trace import _path_str, args_signature, trace
+from alpa_lab.graph.trace import args_signature, trace, with_batch
 from alpa_lab.sharding.spec import ShardingSpec
 
 __all__ = ["ConstrainedStep", "DeviceError", "OpSpecs", "compile_graph", "device_mesh", "spec_sharding"]
@@ -238,12 +238,9 @@ class ConstrainedStep:
     def _bind(self, args: tuple) -> _Bound:
         key = args_signature(args)
         if key not in self._bound:
-            named = None
+            graph = trace(self.fn, *args, cut=False)  # one mesh: argument-less boundaries are no-ops, as the plan's trace
             if self.batch_inputs is not None:
-                batch = set(self.batch_inputs)
-                named = [_path_str(p) in batch for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-            # one mesh: argument-less boundaries are no-ops, as the plan's trace
-            graph = trace(self.fn, *args, cut=False, batch_leaves=named)
+                graph = with_batch(graph, [p in self.batch_inputs for p in graph.in_paths])
             if graph.fingerprint != self.fingerprint:
                 raise ValueError(
                     f"the plan belongs to another program (plan fingerprint {self.fingerprint}, "
