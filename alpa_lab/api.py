@@ -949,6 +949,7 @@ class ParallelizedStep:
             batch_mesh_axis=self.batch_mesh_axis,
             stage_axes=getattr(self.stage_option, "batch_axes", None),
             forbidden=self.forbidden_collectives,
+            weight_update_sharding=self.weight_update_sharding,
         )
         with self._cache_lock:
             _keep(self._problems, graph.fingerprint, problem)

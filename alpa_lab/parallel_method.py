@@ -842,6 +842,8 @@ class PlanMethod(ParallelMethod):
         if hasattr(plan, "stages"):  # a pipeline
             out.update(microbatches=plan.num_microbatches, layers=plan.num_layers, schedule=plan.schedule,
                        submesh_space=plan.submesh_space)
+            if not all(st.plan.weight_update_sharding for st in plan.stages):
+                out["weight_update_sharding"] = False
         else:
             out["mesh_shape"] = tuple(plan.mesh_shape)
             if plan.batch_mesh_axis is not None:
@@ -934,6 +936,8 @@ class PipeshardParallel(ParallelMethod):
         axis = _mesh_axis_option(option.force_batch_dim_to_mesh_dim, _FORCE_OPTION)
         if axis != -1 and out["method"] == "alpa":  # every stage keeps its batch split over that axis (a stage's dict may differ)
             out["batch_mesh_axis"] = axis
+        if out["method"] == "alpa" and not option.prefer_reduce_scatter:
+            out["weight_update_sharding"] = False  # Alpa's default option asks for it; an option without it does not
         if option.forbidden_collectives():
             out["forbidden"] = option.forbidden_collectives()
         if self.stage_input_shardings is not None:

@@ -398,3 +398,46 @@ def test_shard_parallel_splits_the_weight_update_only_when_asked_as_alpas_does()
     name = next(o.name for o in plan.ops if o.primitive == "dot_general")
     strategy = next(o.strategy for o in plan.ops if o.name == name)
     assert step.pin(name, strategy).rewrites  # the re-solve splits the update again
+
+
+def test_gradient_accumulation_and_pipelines_split_the_weight_update_only_when_asked():
+    """Alpa's test_gradient_accumulation counts, with ``ShardParallel(num_micro_batches=2)``, an update program with
+    no collective (the update replicated) and, with ``prefer_reduce_scatter``, one all-gather (the new weights of a
+    split update). Here the one stage of gradient accumulation is a pipeline stage, so the choice reaches the
+    pipeline planner: every stage's plan records it, re-solves and a plan read back from JSON keep it, and
+    ``PipeshardParallel`` with an option that does not ask for it plans every stage without it. Oracles: the
+    unparallelized step (numerics) and the collectives XLA compiled per unit task."""
+    from alpa_lab.testing import get_mlp_train_state_and_step
+
+    state, batch, train_step = get_mlp_train_state_and_step(batch_size=256, hidden_size=16, num_layers=2)
+    expected = train_step(state, batch)[0]
+    updates = {}
+    for asked in (False, True):
+        option = al.AutoShardingOption(allow_all_to_all=False, prefer_reduce_scatter=asked)
+        step = al.parallelize(train_step, method=al.ShardParallel(devices=logical_mesh((1, 4)), num_micro_batches=2,
+                                                                  auto_sharding_option=option))
+        actual = step(state, batch)[0]
+        for a, b in zip(jax.tree_util.tree_leaves(actual.params), jax.tree_util.tree_leaves(expected.params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-4, atol=5e-4)
+        executable = step.get_last_executable()
+        forward, backward, update = [al.count_communication_primitives(t) for t in executable.get_hlo_text()]
+        assert backward[1] >= 1, backward  # the gradients' all-reduce
+        updates[asked] = update
+        plan = step.current_plan
+        assert [st.plan.weight_update_sharding for st in plan.stages] == [asked]
+        # a re-solve of the stage and a plan read back from its JSON keep the choice
+        op = next(o for o in plan.stages[0].plan.ops if o.primitive == "dot_general")
+        assert [st.plan.weight_update_sharding for st in plan.pin(op.name, op.strategy).stages] == [asked]
+        loaded = al.Plan.from_json(plan.to_json())
+        assert [st.plan.weight_update_sharding for st in loaded.stages] == [asked]
+        used = step.use(loaded, state, batch)
+        assert [st.plan.weight_update_sharding for st in used.pin(op.name, op.strategy).stages] == [asked]
+        assert (al.plan_to_method(loaded).options().get("weight_update_sharding", True)) == asked
+    assert updates[False][0] == 0, updates  # Alpa's count: the update has no collective
+    assert updates[True][:3] == (1, 0, 1), updates  # one all-gather of the new weights
+    for asked in (False, True):
+        piped = al.PipeshardParallel(num_micro_batches=2, default_auto_sharding_option=al.AutoShardingOption(
+            prefer_reduce_scatter=asked))
+        step = al.parallelize(train_step, method=piped)
+        step(state, batch)
+        assert {st.plan.weight_update_sharding for st in step.current_plan.stages} == {asked}

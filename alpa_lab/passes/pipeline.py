@@ -161,6 +161,10 @@ class PipelineProblem:
     forbidden: tuple[str, ...] = ()
     """collective kinds no stage may issue (``LogicalMesh.forbidden``: Alpa's ``allow_all_gather=False`` /
     ``allow_all_to_all=False``): every mesh of this problem has them, so its cached costs hold only for them"""
+    weight_update_sharding: bool = True
+    """the paper's weight-update sharding in every stage's plan (``Plan.weight_update_sharding``; Alpa's
+    ``prefer_reduce_scatter``): False leaves each stage's update as its ILP placed it. The DP's layer costs hold
+    no update, so only the stage plans depend on it (``set_weight_update_sharding``)."""
     stage_batch_axes: dict = field(default_factory=dict)
     """(layers, sub-mesh, logical mesh) -> that stage's own forced batch axis (a ``ManualStageOption``'s per-stage
     auto-sharding dicts), over ``batch_mesh_axis``; -1: not forced there"""
@@ -270,6 +274,15 @@ class PipelineProblem:
         return {
             piece.var_map[v]: self.argument_kinds.get(v, "activation") for v in piece.invars
         }
+
+    def set_weight_update_sharding(self, flag: bool) -> None:
+        """Plan the stages with (or without) weight-update sharding from now on: the stage plans and solutions
+        cached with the other setting are dropped (the layer costs, which hold no update, are kept)."""
+        flag = bool(flag)
+        if flag != self.weight_update_sharding:
+            self.stage_plans.clear()
+            self.stage_solutions.clear()
+            self.weight_update_sharding = flag
 
     def stage_axis(self, layers: tuple[int, int], submesh: Shape, logical: Shape) -> int | None:
         """The mesh axis the stage of ``layers`` on that mesh keeps its batch split over (None: not forced)."""
@@ -653,6 +666,7 @@ class PipelineProblem:
             schedule="1f1b" if interleaved else plan.schedule, method=plan.method, max_stages=plan.max_stages,
             problem=self, logical_meshes=self.logical_meshes, submesh_space=plan.submesh_space,
             batch_mesh_axis=self.batch_mesh_axis, forbidden=self.forbidden,
+            weight_update_sharding=self.weight_update_sharding,
         )
         chosen = [(st.layers, st.submesh_shape, st.logical_shape, st.device_ids) for st in stages]
         if interleaved:
@@ -671,7 +685,7 @@ class PipelineProblem:
         cluster = profile.cluster()
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
-        new.forbidden = self.forbidden
+        new.forbidden, new.weight_update_sharding = self.forbidden, self.weight_update_sharding
         new.stage_timer, new.batch_vars = self.stage_timer, self.batch_vars
         new.batch_mesh_axis, new.stage_batch_axes = self.batch_mesh_axis, dict(self.stage_batch_axes)
         new.logical_meshes, new.submesh_space = self.logical_meshes, plan.submesh_space
@@ -719,6 +733,8 @@ class PipelineProblem:
                 )
             _check_choices(st, sg)
             graphs.append(sg)
+        # every stage was planned with one setting (``plan_pipeline``): re-plans keep it
+        self.set_weight_update_sharding(all(st.plan.weight_update_sharding for st in plan.stages))
         stages = []
         for st, sg in zip(plan.stages, graphs):
             if plan.method == "alpa":  # as plan_pipeline records the DP's choice of layout
@@ -734,8 +750,11 @@ class PipelineProblem:
                    st.plan.batch_mesh_axis)
             if st.plan.batch_mesh_axis is not None:  # as _plan_stage solved it: a pin on the stage's plan keeps it
                 sg = dataclasses.replace(sg, batch_mesh_axis=st.plan.batch_mesh_axis)
+            if not st.plan.weight_update_sharding:
+                sg = dataclasses.replace(sg, weight_update_sharding=False)
             cached = self.stage_plans.get(key)
-            if cached is not None and cached == st.plan and (cached.problem is sg or st.plan.batch_mesh_axis is not None):
+            if cached is not None and cached == st.plan and (
+                    cached.problem is sg or st.plan.batch_mesh_axis is not None or not st.plan.weight_update_sharding):
                 stage_plan = cached
             else:
                 stage_plan = dataclasses.replace(st.plan, problem=sg)
@@ -820,6 +839,8 @@ def _plan_stage(
 
         def stage_problem(period: int) -> StrategyGraph:
             sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
+            if not problem.weight_update_sharding:
+                sg = dataclasses.replace(sg, weight_update_sharding=False)
             return sg if axis is None else dataclasses.replace(sg, batch_mesh_axis=axis)
 
         twin = None
@@ -836,6 +857,8 @@ def _plan_stage(
         else:
             sg, solved = solve_tied(stage_problem, method, mine)
             problem.stage_solutions[same] = (sg.tie_period, solved)
+        if sg.weight_update_sharding != problem.weight_update_sharding:  # a cached or twin's graph: as solved
+            sg = dataclasses.replace(sg, weight_update_sharding=problem.weight_update_sharding)
         problem.stage_plans[key] = make_plan(
             sg, solved, method=method, cluster=problem.cluster.to_dict(), pins=mine, memory_budget=None
         )
@@ -1188,6 +1211,7 @@ def plan_pipeline(
     batch_mesh_axis: int | None = None,
     stage_axes: Callable[[int], Sequence[int | None]] | None = None,
     forbidden: tuple[str, ...] = (),
+    weight_update_sharding: bool = True,
 ) -> tuple[PipelineProblem, tuple[StageResult, ...], Timeline]:
     """Stage DP over the layers, then one intra-op plan per chosen stage (module docstring).
 
@@ -1214,6 +1238,8 @@ def plan_pipeline(
     fixed stage's own (None: the default; -1: not forced), kept for re-plans of those stages (``stage_batch_axes``).
     ``forbidden``: collective kinds no stage may issue (``PipelineProblem.forbidden``); a ``problem`` made for others
     is not reused, as its cached layer costs priced them.
+    ``weight_update_sharding``: the paper's weight-update sharding in every stage's plan (Alpa's
+    ``prefer_reduce_scatter``; ``PipelineProblem.weight_update_sharding``).
     """
     if logical_meshes not in LOGICAL_MESH_SPACES:
         raise ValueError(f"unknown logical mesh space {logical_meshes!r}; choose one of {', '.join(LOGICAL_MESH_SPACES)}")
@@ -1232,6 +1258,7 @@ def plan_pipeline(
     if batch_vars is not None:
         problem.batch_vars = batch_vars
     problem.batch_mesh_axis = batch_mesh_axis
+    problem.set_weight_update_sharding(weight_update_sharding)
     problem.stage_batch_axes.clear()  # what an earlier fixed plan or a loaded one forced: this plan's come below
     problem.logical_meshes, problem.submesh_space = logical_meshes, submesh_space
     if stage_timer is not None:
