@@ -441,3 +441,44 @@ def test_gradient_accumulation_and_pipelines_split_the_weight_update_only_when_a
         step = al.parallelize(train_step, method=piped)
         step(state, batch)
         assert {st.plan.weight_update_sharding for st in step.current_plan.stages} == {asked}
+
+
+def test_a_parallelized_initialisation_draws_each_devices_part_of_the_weights():
+    """Alpa's test_weight_init: ``model.init`` and ``TrainState.create`` under ``ShardParallel`` make the weights and
+    Adam's moments split over the devices, not whole on each. Threefry draws partitionably (JAX's default), so each
+    device draws its own tile with no collective, and the values are the unsplit draw's, bit for bit (oracle:
+    ``jax.jit`` of the same function). An ``rbg`` key's bits depend on the layout: its draws stay replicated."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64)(nn.Dense(64)(x))
+
+    x, model = jnp.ones((32, 64)), Model()
+
+    def init_weight(rng):
+        params = model.init(rng, x)
+        return TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+    mesh = al.LocalPhysicalDeviceMesh(jax.local_devices()[:4])
+    step = al.parallelize(init_weight, method=al.ShardParallel(devices=mesh))
+    state = step(jax.random.PRNGKey(0))
+    expected = jax.jit(init_weight)(jax.random.PRNGKey(0))
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def split(w) -> bool:
+        return w.sharding.shard_shape(w.shape) != w.shape
+
+    assert not split(state.step) if hasattr(state.step, "sharding") else True
+    for k in (0, 1):
+        assert split(state.params["params"][f"Dense_{k}"]["kernel"]), k
+        assert split(state.opt_state[0].mu["params"][f"Dense_{k}"]["kernel"]), k
+    assert al.count_communication_primitives(step.get_last_executable().get_hlo_text())[0] == 0
+    assert "random_bits" not in step.current_plan.summary().split("no sharding rule")[-1].split("\n")[0]
+
+    rbg = al.parallelize(lambda key: jax.random.normal(key, (64, 64)), method=al.ShardParallel(devices=mesh))
+    key = jax.random.key(0, impl="rbg")
+    drawn = rbg(key)
+    assert not split(drawn)
+    np.testing.assert_array_equal(np.asarray(drawn), np.asarray(jax.jit(lambda k: jax.random.normal(k, (64, 64)))(key)))

@@ -93,7 +93,8 @@ class Var:
 class Op:
     """One primitive application: ``outputs = primitive.bind(*inputs, **params)``.
 
-    ``name`` is ``<primitive>_<k>``, the k-th use of that primitive in program order, so a
+    ``name`` is ``<primitive>_<k>``, the k-th use of that primitive in program order (among the ops the
+    program needs: ``graph.trace`` makes none for dead code, as XLA would drop it), so a
     pin written against it survives re-tracing the same program. ``label`` is the source
     location in the user's model (JAX's name stack, e.g. ``transformer/Dense_0``).
     """

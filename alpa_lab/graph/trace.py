@@ -350,9 +350,15 @@ class _Builder:
             elems.append(e)
         return str(source_info_util.NameStack(tuple(elems))), segment
 
-    def emit_jaxpr(self, jaxpr: Any, env: dict, prefix: str, segment: int | None = None) -> None:
-        """Ops for ``jaxpr``'s equations; ``segment``: the shared segment whose call this body is."""
-        for eqn in jaxpr.eqns:
+    def emit_jaxpr(
+        self, jaxpr: Any, env: dict, prefix: str, segment: int | None = None, used_outputs: Sequence[bool] | None = None
+    ) -> None:
+        """Ops for ``jaxpr``'s live equations (``live_equations``: those ``used_outputs`` of its results need);
+        ``segment``: the shared segment whose call this body is. A dead equation makes no op and no name."""
+        live = live_equations(jaxpr, used_outputs)
+        for eqn, keep in zip(jaxpr.eqns, live):
+            if not keep:
+                continue
             name_stack, inner_segment = self.name_stack(eqn, segment)
             label = "/".join(p for p in (prefix, name_stack) if p)
             prim = eqn.primitive.name
@@ -371,15 +377,17 @@ class _Builder:
                 outermost = prim in ("checkpoint", "remat", "remat2") and not self._in_checkpoint
                 first = len(self.ops)
                 self._in_checkpoint |= outermost
-                self.emit_jaxpr(inner, inner_env, "/".join(p for p in (label, sub) if p), inner_segment)
+                used = [keep is True or ov in keep for ov in eqn.outvars]
+                self.emit_jaxpr(inner, inner_env, "/".join(p for p in (label, sub) if p), inner_segment, used)
                 if outermost:
                     self._in_checkpoint = False
                     if len(self.ops) > first:
                         self.checkpoints.append(
                             (first, len(self.ops), eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True)))
                         )
-                for ov, iv in zip(eqn.outvars, inner.outvars):
-                    env[ov] = self.read(inner_env, iv)
+                for ov, iv, u in zip(eqn.outvars, inner.outvars, used):
+                    if u:  # a result nothing reads was not made
+                        env[ov] = self.read(inner_env, iv)
                 continue
             inputs = tuple(self.read(env, v) for v in eqn.invars)
             index = len(self.ops)
@@ -406,6 +414,35 @@ class _Builder:
                     signature=param_signature(params),
                 )
             )
+
+
+KEPT_WHEN_DEAD = frozenset({"pipeline_marker"})
+"""Equations kept even where nothing reads their results: our stage and gradient markers say where the user
+cut the program, which the slicing reads."""
+
+
+def live_equations(jaxpr: Any, used_outputs: Sequence[bool] | None = None) -> list[Any]:
+    """Per equation of ``jaxpr``, whether the program needs it: True, or for a call to inline the set of its
+    results something reads (its body is then made for those alone).
+
+    An equation is live when a live equation or a used result of ``jaxpr`` reads one of its results, or when it
+    has effects (a callback, a print). What is dead is what XLA would drop when compiling the step: the forward
+    that ``model.init`` runs to find shapes, a derivative nobody reads. Planning it would price work that never
+    runs and reshardings to serve it (it held a parallelized initialisation's weights whole, to feed a dead matmul).
+    """
+    outs = jaxpr.outvars if used_outputs is None else [v for v, u in zip(jaxpr.outvars, used_outputs) if u]
+    needed = {v for v in outs if isinstance(v, jcore.Var)}
+    live: list[Any] = [False] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        read = [v for v in eqn.outvars if v in needed]
+        if not (read or eqn.effects or eqn.primitive.name in KEPT_WHEN_DEAD):
+            continue
+        prim = eqn.primitive.name
+        inlined = prim in INLINED_CALLS and INLINED_CALLS[prim] in eqn.params
+        live[i] = set(read) if inlined and len(read) < len(eqn.outvars) and not eqn.effects else True
+        needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    return live
 
 
 @functools.lru_cache(maxsize=None)

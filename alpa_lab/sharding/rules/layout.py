@@ -126,6 +126,23 @@ def iota_rule(ctx: RuleContext) -> list[Strategy]:
     return passthrough(ctx, lambda d: ())
 
 
+def random_bits_rule(ctx: RuleContext) -> list[Strategy]:
+    """Each device draws its own tile of the bits, from the whole key (a batch of keys split as its draws).
+
+    Threefry drawn partitionably (``jax_threefry_partitionable``, JAX's default) makes an element's bits a
+    function of the key and the element's index alone, as the counter of ``iota`` is, so a tile costs a tile's
+    work and the values are the unsplit draw's. This is what lets a parallelized initialisation (weights drawn
+    with ``model.init``) make each device's part of a weight, as Alpa's does, where replicated draws would make
+    every device draw all of it. Other generators (``rbg``) are left replicated.
+    """
+    import jax  # the flag is read when a program is planned, as JAX reads it when one is traced
+
+    key = ctx.ins[0]
+    if not key.dtype.startswith("key<fry>") or not jax.config.jax_threefry_partitionable:
+        return []
+    return passthrough(ctx, lambda d: ((0, d),) if d < key.rank else ())
+
+
 RULES = {
     "broadcast_in_dim": broadcast_in_dim_rule,
     "transpose": transpose_rule,
@@ -139,6 +156,7 @@ RULES = {
     "split": split_rule,
     "tile": tile_rule,
     "iota": iota_rule,
+    "random_bits": random_bits_rule,
 }
 
 FOLLOWERS = frozenset({"broadcast_in_dim", "transpose", "squeeze", "expand_dims", "reshape", "rev"})
