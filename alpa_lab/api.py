@@ -471,15 +471,16 @@ def _not_an_array(x: Any) -> bool:
 
 def static_positions(args: tuple, static_argnums: str | tuple[int, ...]) -> tuple[int, ...]:
     """The static arguments of a call: those given, or with "auto" (Alpa's rule, narrowed) each argument that is a
-    string or holds only values JAX cannot take as arrays (a function, a module, an object). An argument mixing
-    arrays with such values is not made static whole (its arrays would become constants of the program): the trace
-    names the value instead. Python numbers and bools stay arguments of the program (traced, as ``jax.jit`` types
-    them, so a new learning rate does not plan again): give their positions to make them static."""
+    string, a Python bool (a flag the step branches on, ``deterministic=False``: two programs at most), or holds only
+    values JAX cannot take as arrays (a function, a module, an object). An argument mixing arrays with such values is
+    not made static whole (its arrays would become constants of the program): the trace names the value instead.
+    Python numbers stay arguments of the program (traced, as ``jax.jit`` types them, so a new learning rate does not
+    plan again): give their positions to make them static."""
     if static_argnums == "auto":
         out = []
         for i, a in enumerate(args):
             leaves = jax.tree_util.tree_leaves(a)
-            if isinstance(a, str) or (leaves and all(_not_an_array(x) for x in leaves)):
+            if isinstance(a, (str, bool)) or (leaves and all(_not_an_array(x) for x in leaves)):
                 out.append(i)
         return tuple(out)
     missing = [i for i in static_argnums if i >= len(args)]
@@ -971,6 +972,12 @@ class ParallelizedStep:
         )
         if self.stage_input_shardings is not None:
             pins = {**_stage_input_pins(plan, self.stage_input_shardings), **(pins or {})}
+        if self.manual_sharding is not None:  # each stage holds the arguments it reads as the resources say
+            read = [[t.path for t in st.plan.inputs] for st in plan.stages]
+            manual = self.manual_sharding.stage_pins(
+                graph.in_paths, [graph.vars[v].shape for v in graph.invars], args,
+                [(tuple(st.plan.mesh_shape), paths) for st, paths in zip(plan.stages, read)])
+            pins = {**manual, **(pins or {})}
         if pins:
             plan = plan._replan(plan._current_stages(), pins, plan.stage_pins)
         if isinstance(self.stage_option, _FollowedStages):
@@ -1300,8 +1307,13 @@ class ParallelizedStep:
                 self.current_plan = self.plan(*args)
         return graph
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # as jax.jit takes them: by the step's signature, then as if passed in place
+            args = self._positional(args, kwargs)
+        return self._call(*args)
+
     @_static_entry()
-    def __call__(self, *args: Any) -> Any:
+    def _call(self, *args: Any) -> Any:
         self.cluster  # noqa: B018 - settles the cluster (and the session's Ray, if any) before the first call
         self._refollow()
         # the step's own plan, made for other shapes (the last, smaller batch of an epoch): plan these too, as
@@ -1313,6 +1325,34 @@ class ParallelizedStep:
             self._call_costs(self.current_plan).append(time.perf_counter() - t0)
             return out
         return self._run(self.compiled(*args), graph if graph is not None else self.trace(*args), args)
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """A call's arguments in the step's positional order: keywords moved to their places, and the defaults of
+        any skipped before them filled in (a flag given by name, ``step(state, batch, deterministic=False)``, is then
+        the argument it names, static by the "auto" rule as a bool is)."""
+        import inspect
+
+        try:
+            sig = inspect.signature(self.user_fn)
+            bound = sig.bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{getattr(self.user_fn, '__name__', 'the step')}: {e}") from None
+        bound.apply_defaults()
+        named = set(kwargs)
+        out = []
+        for p in sig.parameters.values():
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                out.append(bound.arguments[p.name])
+            elif p.kind is p.VAR_POSITIONAL:
+                out.extend(bound.arguments.get(p.name, ()))
+            elif p.name in named:
+                raise TypeError(
+                    f"{getattr(self.user_fn, '__name__', 'the step')} takes {p.name!r} by keyword only; a parallelized "
+                    f"step passes its arguments by position: make {p.name!r} a positional parameter, or bind it with "
+                    "functools.partial before parallelizing")
+        # the parameters after the last one given keep their defaults, as a call without them would
+        last = max((i for i, p in enumerate(sig.parameters.values()) if p.name in named), default=len(args) - 1)
+        return tuple(out[: max(last + 1, len(args))])
 
     def _run(self, compiled: CompiledPlan | CompiledPipeline, graph: OpGraph, args: tuple) -> Any:
         """Call a compiled plan in this process, timed as a call of its plan (``get_execution_time_costs``)."""

@@ -107,12 +107,19 @@ class AutoShardingOption:
     force_simple_heuristic: str = ""
     all_reduce_threshold: int = 1 << 60
 
-    def method_name(self) -> str:
-        """This planner's method for these options: zero3, zero2, data_parallel, or the ILP ("alpa")."""
-        if not self.enable_auto_sharding:
+    def method_name(self, manual: bool = False) -> str:
+        """This planner's method for these options: zero3, zero2, data_parallel, or the ILP ("alpa").
+
+        ``manual``: the method has a ``ManualShardingOption``. Alpa then runs ``enable_auto_sharding=False`` with those
+        shardings alone, XLA propagating them; here the ILP plans the rest around them (pins), as with auto-sharding:
+        the given layouts hold either way."""
+        if not self.enable_auto_sharding and not manual:
             raise MethodOptionError(
                 "AutoShardingOption(enable_auto_sharding=False) runs the step with your own sharding annotations only; "
-                "this planner always plans: use jax.jit with your shardings for that, or drop the option")
+                "this planner always plans: give them as a ManualShardingOption (the planner plans around them), use "
+                "jax.jit with your shardings, or drop the option")
+        if not self.enable_auto_sharding:
+            return "alpa"
         if self.force_simple_heuristic:
             raise MethodOptionError(
                 f"AutoShardingOption(force_simple_heuristic={self.force_simple_heuristic!r}) is not supported: choose a "
@@ -131,7 +138,7 @@ class AutoShardingOption:
         """The collective kinds these options forbid the ILP's own method (``LogicalMesh.forbidden``): Alpa's
         ``allow_all_gather=False`` / ``allow_all_to_all=False``. The other methods fix the layouts themselves (Alpa
         lifts both restrictions under ``force_data_parallel`` too), so they forbid nothing."""
-        if self.method_name() != "alpa":
+        if not self.enable_auto_sharding or self.method_name() != "alpa":
             return ()
         return tuple(k for k, allowed in (("all-gather", self.allow_all_gather), ("all-to-all", self.allow_all_to_all))
                      if not allowed)
@@ -404,12 +411,16 @@ def _is_unspecified(x: Any) -> bool:
 
 @dataclass(frozen=True)
 class ManualShardingOption:
-    """Alpa's manual shardings for ``ShardParallel``, in pjit's terms: ``mesh_axis_names`` name the axes of the
-    plan's logical mesh (rows, columns); ``in_axis_resources`` gives, per argument (a prefix of the arguments'
-    tree), a ``jax.sharding.PartitionSpec`` over those names, ``None`` for replicated or ``UNSPECIFIED`` for the
-    planner's choice; ``out_axis_resources`` the same for the results. They become pins (``plan.pins``: an
-    argument's path, a result's ``output <path>``), so the ILP plans everything else around them and a later
-    ``plan.unpin`` can free one. ``submesh_axis_names`` (a pipeline's) is not supported."""
+    """Alpa's manual shardings, in pjit's terms: ``mesh_axis_names`` name the axes of the plan's logical mesh (rows,
+    columns); ``in_axis_resources`` gives, per argument (a prefix of the arguments' tree), a
+    ``jax.sharding.PartitionSpec`` over those names, ``None`` for replicated or ``UNSPECIFIED`` for the planner's
+    choice; ``out_axis_resources`` the same for the results. They become pins (``plan.pins``: an argument's path, a
+    result's ``output <path>``), so the ILP plans everything else around them and a later ``plan.unpin`` can free one.
+
+    In a pipeline (``PipeshardParallel``), ``submesh_axis_names`` name each stage's logical mesh axes (one tuple per
+    stage; without it every stage's are ``mesh_axis_names``): each argument is held as its resource says by every
+    stage that reads it, in that stage's names. A pipeline's results are each stage's own: ``out_axis_resources``
+    is for one mesh."""
 
     mesh_axis_names: Sequence[str] | None = None
     submesh_axis_names: Any = None
@@ -417,21 +428,34 @@ class ManualShardingOption:
     out_axis_resources: Any = UNSPECIFIED
 
     def __post_init__(self) -> None:
-        names = self.mesh_axis_names
-        if names is None or isinstance(names, str) or not all(isinstance(n, str) for n in names) or not 1 <= len(names) <= 2 \
-                or len(set(names)) != len(names):
-            raise MethodOptionError(
-                f"ManualShardingOption(mesh_axis_names=...) names the logical mesh's axes, one or two distinct strings "
-                f"(e.g. ('data', 'model')), got {names!r}")
         if self.submesh_axis_names is not None:
-            raise MethodOptionError(
-                "ManualShardingOption(submesh_axis_names=...) sets a pipeline's stage meshes, which is not supported: plan "
-                "the stages' inputs with PipeshardParallel(stage_input_shardings=...) or pin them on the plan")
+            stages = self.submesh_axis_names
+            if isinstance(stages, str) or not isinstance(stages, (tuple, list)) or not stages:
+                raise MethodOptionError(
+                    f"ManualShardingOption(submesh_axis_names=...) names each pipeline stage's mesh axes, one tuple of one or "
+                    f"two distinct strings per stage (e.g. (('dummy', 'model'), ('dummy', 'data'))), got {stages!r}")
+            for i, names in enumerate(stages):
+                _check_axis_names(names, f"submesh_axis_names[{i}]")
+        if self.mesh_axis_names is not None or self.submesh_axis_names is None:
+            _check_axis_names(self.mesh_axis_names, "mesh_axis_names")
 
-    def mesh_axes(self, mesh_shape: tuple[int, int]) -> dict[str, int]:
-        """Each name's axis of the plan's ``mesh_shape``: two names are (rows, columns); one is the mesh's axis of
-        more than one device (the columns of a 1 x n mesh)."""
-        names = tuple(self.mesh_axis_names)
+    def stage_axis_names(self, num_stages: int) -> list[tuple[str, ...]]:
+        """Each pipeline stage's mesh axis names (``submesh_axis_names``, else ``mesh_axis_names`` for all)."""
+        if self.submesh_axis_names is None:
+            return [tuple(self.mesh_axis_names)] * num_stages
+        if len(self.submesh_axis_names) != num_stages:
+            raise MethodOptionError(
+                f"ManualShardingOption(submesh_axis_names=...) names {len(self.submesh_axis_names)} stages' mesh axes but the "
+                f"pipeline has {num_stages} stages: give one tuple per stage (fix the stages with a ManualStageOption)")
+        return [tuple(n) for n in self.submesh_axis_names]
+
+    def mesh_axes(self, mesh_shape: tuple[int, int], names: Sequence[str] | None = None) -> dict[str, int]:
+        """Each name's axis of the plan's ``mesh_shape`` (``names``: a stage's, else ``mesh_axis_names``): two names
+        are (rows, columns); one is the mesh's axis of more than one device (the columns of a 1 x n mesh)."""
+        if names is None and self.mesh_axis_names is None:
+            raise MethodOptionError("this ManualShardingOption names only pipeline stages' axes (submesh_axis_names): "
+                                    "give mesh_axis_names for a plan on one mesh (ShardParallel)")
+        names = tuple(self.mesh_axis_names if names is None else names)
         if len(names) == 2:
             return {names[0]: 0, names[1]: 1}
         wide = [a for a in (0, 1) if mesh_shape[a] > 1]
@@ -458,6 +482,43 @@ class ManualShardingOption:
                 if not _is_unspecified(spec):
                     pins[key + path] = _spec_text(spec, shape, axes, mesh_shape, f"{what} for {path}")
         return pins
+
+    def stage_pins(self, in_paths: Sequence[str], in_shapes: Sequence[tuple[int, ...]], args: tuple,
+                   stages: Sequence[tuple[tuple[int, int], Sequence[str]]]) -> dict[str, str]:
+        """The pins ``in_axis_resources`` mean in a pipeline: ``stages`` gives each stage's logical mesh shape and the
+        argument paths it reads; an argument read by several stages must come out the same spec in each."""
+        if not _is_unspecified(self.out_axis_resources):
+            raise MethodOptionError(
+                "ManualShardingOption(out_axis_resources=...) lays out a single mesh's results; a pipeline's results are "
+                "each stage's own: drop it (or pin the op that makes a result in its stage)")
+        flat = _per_leaf(self.in_axis_resources, tuple(args), "in_axis_resources")
+        if len(flat) != len(in_paths):
+            raise MethodOptionError(f"ManualShardingOption(in_axis_resources=...): {len(flat)} places for {len(in_paths)} tensors")
+        given = {p: (shape, spec) for p, shape, spec in zip(in_paths, in_shapes, flat) if not _is_unspecified(spec)}
+        pins: dict[str, str] = {}
+        owner: dict[str, int] = {}
+        for i, (names, (mesh_shape, reads)) in enumerate(zip(self.stage_axis_names(len(stages)), stages)):
+            axes = self.mesh_axes(mesh_shape, names)
+            for path in reads:
+                if path not in given:
+                    continue
+                shape, spec = given[path]
+                text = _spec_text(spec, shape, axes, mesh_shape, f"in_axis_resources for {path} on stage {i}")
+                if pins.setdefault(path, text) != text:
+                    raise MethodOptionError(
+                        f"in_axis_resources for {path}: stages {owner[path]} and {i} both read it, and {spec} means "
+                        f"{pins[path]!r} on stage {owner[path]}'s mesh but {text!r} on stage {i}'s: give it a resource that "
+                        "means one layout on both (their axis names), or leave it UNSPECIFIED")
+                owner.setdefault(path, i)
+        return pins
+
+
+def _check_axis_names(names: Any, what: str) -> None:
+    if names is None or isinstance(names, str) or not all(isinstance(n, str) for n in names) or not 1 <= len(names) <= 2 \
+            or len(set(names)) != len(names):
+        raise MethodOptionError(
+            f"ManualShardingOption({what}=...) names a logical mesh's axes, one or two distinct strings "
+            f"(e.g. ('data', 'model')), got {names!r}")
 
 
 def _is_resource(x: Any) -> bool:
@@ -521,13 +582,6 @@ def _spec_text(spec: Any, shape: tuple[int, ...], axes: Mapping[str, int], mesh_
                                     f"divide it on the {mesh_shape[0]}x{mesh_shape[1]} mesh")
         tokens.append("S" + "".join(map(str, split)) if split else "R")
     return "".join(tokens)
-
-
-def _no_manual_sharding(option: Any, name: str) -> None:
-    if option is not None:
-        raise MethodOptionError(
-            f"{name}(manual_sharding_option=...) is not supported (ShardParallel takes one): here the planner chooses the "
-            "shardings; pin an op's strategy on the plan (plan.pin(op, strategy)) to fix one")
 
 
 # ----- devices ---------------------------------------------------------------------------------
@@ -732,7 +786,8 @@ class ShardParallel(ParallelMethod):
         self.auto_sharding_option = option
 
     def options(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"method": self.auto_sharding_option.method_name()}  # never None: __post_init__
+        out: dict[str, Any] = {  # never None: __post_init__
+            "method": self.auto_sharding_option.method_name(manual=self.manual_sharding_option is not None)}
         if self.manual_sharding_option is not None:
             if not isinstance(self.manual_sharding_option, ManualShardingOption):
                 raise MethodOptionError(f"ShardParallel(manual_sharding_option=...) takes a ManualShardingOption, got "
@@ -924,10 +979,9 @@ class PipeshardParallel(ParallelMethod):
         self.default_auto_sharding_option = option
 
     def options(self) -> dict[str, Any]:
-        _no_manual_sharding(self.manual_sharding_option, type(self).__name__)
         option = self.default_auto_sharding_option  # never None: __post_init__
         out: dict[str, Any] = {
-            "method": option.method_name(),
+            "method": option.method_name(manual=self.manual_sharding_option is not None),
             "microbatches": self.num_micro_batches,
             "schedule": self.pipeline_schedule,
         }
@@ -942,6 +996,11 @@ class PipeshardParallel(ParallelMethod):
             out["forbidden"] = option.forbidden_collectives()
         if self.stage_input_shardings is not None:
             out["stage_input_shardings"] = _stage_input_shardings(self.stage_input_shardings)
+        if self.manual_sharding_option is not None:
+            if not isinstance(self.manual_sharding_option, ManualShardingOption):
+                raise MethodOptionError(f"{type(self).__name__}(manual_sharding_option=...) takes a ManualShardingOption, got "
+                                        f"{type(self.manual_sharding_option).__name__}")
+            out["manual_sharding"] = self.manual_sharding_option
         layer = self.layer_option
         if layer is None:
             layer = AutoLayerOption(layer_num=2)

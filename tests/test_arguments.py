@@ -429,3 +429,26 @@ def test_a_state_only_jax_grad_step_tells_weights_from_statistics():
     kinds = {p: classify_arguments(graph)[v] for p, v in zip(graph.in_paths, graph.invars)}
     assert {p for p, k in kinds.items() if k == "param"} == {p for p in kinds if p.startswith("[0]")}, kinds
     assert all(kinds[p] == "optimizer_state" for p in kinds if p.startswith(("[1]", "[2]"))), kinds
+
+
+def test_a_tuple_of_parameters_returned_whole_is_the_state():
+    """``step(params, batch) -> new_params`` with params a tuple of arrays (Alpa's pipeline manual-sharding test):
+    the result's paths are ``[0]``, ``[1]``, ... as a tuple of results' would be, and they are exactly the
+    parameters' below their top, so they are the new parameters (the batch, not returned, is data)."""
+    f32 = "float32"
+    args = [("[0][0]", (6, 8), f32), ("[0][1]", (8,), f32), ("[1][0]", (64, 6), f32), ("[1][1]", (64, 8), f32)]
+    assert state_aliases(args, [("[0]", (6, 8), f32), ("[1]", (8,), f32)]) == {0: 0, 1: 1}
+    # a result of other shapes is not taken for them; neither is the batch returned whole (an autoencoder's pair)
+    assert state_aliases(args, [("[0]", (6, 8), f32), ("[1]", (), f32)]) == {}
+    assert state_aliases(args, [("[0]", (64, 6), f32), ("[1]", (64, 8), f32)]) == {}
+    from alpa_lab.graph.analysis import classify_arguments
+    from alpa_lab.graph.trace import trace
+
+    def step(params, batch):
+        grads = al.grad(lambda p: jnp.mean((jnp.tanh(batch[0] @ p[0]) + p[1] - batch[1]) ** 2))(params)
+        return tuple(p - 0.1 * g for p, g in zip(params, grads))
+
+    params, batch = (jnp.ones((6, 8)), jnp.ones((8,))), (jnp.ones((64, 6)), jnp.ones((64, 8)))
+    graph = trace(step, params, batch)
+    kinds = classify_arguments(graph)
+    assert [kinds[v] for v in graph.invars] == ["param", "param", "data", "data"]

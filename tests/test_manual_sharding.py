@@ -133,11 +133,85 @@ def test_bad_manual_shardings_say_what_to_change():
         plan.pin("output [7]", "RR")
     with pytest.raises(al.MethodOptionError, match="one or two distinct strings"):
         al.ManualShardingOption(("x", "x"))
-    with pytest.raises(al.MethodOptionError, match="submesh_axis_names"):
-        al.ManualShardingOption(("data", "model"), submesh_axis_names=(("data", "model"),))
-    with pytest.raises(al.MethodOptionError, match="not supported"):
-        al.parallelize(fn, method=al.PipeshardParallel(
-            num_micro_batches=2, manual_sharding_option=al.ManualShardingOption(("data", "model"))))(a, a)
+    with pytest.raises(al.MethodOptionError, match=r"submesh_axis_names\[1\]=.*one or two distinct strings"):
+        al.ManualShardingOption(None, submesh_axis_names=(("data", "model"), "model"))
+    with pytest.raises(al.MethodOptionError, match=r"mesh_axis_names=.*got None"):
+        al.ManualShardingOption()
+    stages_only = al.ManualShardingOption(None, (("data", "model"),), in_axis_resources=(P("data"), None))
+    with pytest.raises(al.MethodOptionError, match="names only pipeline stages' axes"):
+        al.parallelize(fn, method=al.ShardParallel(manual_sharding_option=stages_only))(a, a)
+    with pytest.raises(al.MethodOptionError, match="enable_auto_sharding=False.*ManualShardingOption"):
+        al.parallelize(fn, method=al.ShardParallel(auto_sharding_option=al.AutoShardingOption(False)))(a, a)
+
+
+def _four_layer_step():
+    """Alpa's tests/pipeline_parallel/test_manual_sharding.py: four dense layers, a boundary after the second, the
+    step returning the new parameters (a tuple of arrays) alone."""
+    def step(params, batch):
+        x, tgt = batch
+
+        def loss_fn(params):
+            w0, b0, w1, b1, w2, b2, w3, b3 = params
+            z = jax.nn.relu(jax.nn.relu(x @ w0 + b0) @ w1 + b1)
+            al.mark_pipeline_boundary()
+            v = jax.nn.softmax(jax.nn.relu(z @ w2 + b2) @ w3 + b3)
+            return jnp.mean((v - tgt) ** 2)
+
+        grads = al.grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda p, g: p - g, params, grads)
+
+    hiddens = [6, 8, 10, 12, 14]
+    key = jax.random.PRNGKey(0)
+    params = tuple(jax.random.normal(jax.random.fold_in(key, i), shape) * 0.3 for i, shape in enumerate(
+        s for k in range(4) for s in ((hiddens[k], hiddens[k + 1]), (hiddens[k + 1],))))
+    batch = (jax.random.normal(jax.random.fold_in(key, 9), (64, 6)), jnp.ones((64, 14)) / 14)
+    return step, params, batch
+
+
+def test_a_pipelines_stages_hold_their_arguments_as_asked():
+    """Alpa's test_manual_sharding (pipeline): ``submesh_axis_names`` names each stage's mesh axes and
+    ``in_axis_resources`` the arguments' layouts in them; Alpa's test runs them with auto-sharding off
+    (``AutoShardingOption(False)``), which here plans the rest around them. Oracles: the parameter shapes of each
+    stage's compiled forward (Alpa's expected ones: stage 0's first weight split by columns over its "model" axis,
+    stage 1's target split by rows over its "data" axis, each micro-batch 32 rows), and ``jax.jit`` of the step
+    (rtol 1e-5)."""
+    step_fn, params, batch = _four_layer_step()
+    mp_start, mp_end, bias, dp = P(None, "model"), P("model", None), P("model"), P("data", None)
+    resources = ((mp_start, bias, mp_end, None, None, None, None, None), (None, dp))
+    option = al.ManualShardingOption(None, (("dummy", "model"), ("dummy", "data")), resources)
+    method = al.PipeshardParallel(
+        devices=jax.local_devices()[:4], num_micro_batches=2, layer_option="manual", manual_sharding_option=option,
+        stage_option=al.ManualStageOption([[0], [1]], [(1, 2)] * 2, [(1, 2)] * 2, [{}] * 2),
+        default_auto_sharding_option=al.AutoShardingOption(False))
+    step = al.parallelize(step_fn, method=method)
+    texts = step.get_executable(params, batch).get_hlo_text()
+    assert sorted(parameter_shapes(texts[0])) == sorted(["f32[6,4]", "f32[4]", "f32[4,10]", "f32[10]", "f32[32,6]"])
+    assert {"f32[10,12]", "f32[12]", "f32[12,14]", "f32[14]", "f32[16,14]"} <= set(parameter_shapes(texts[1]))
+    pins = dict(step.current_plan.pins)
+    assert pins["[0][0]"] == "RS1" and pins["[0][1]"] == "S1" and pins["[0][2]"] == "S1R" and pins["[1][1]"] == "S1R"
+    new = step(params, batch)
+    for a, b in zip(new, jax.jit(step_fn)(params, batch)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_pipeline_manual_shardings_say_what_to_change():
+    step_fn, params, batch = _four_layer_step()
+    stages = al.ManualStageOption([[0], [1]], [(1, 2)] * 2, [(1, 2)] * 2, [{}] * 2)
+
+    def run(option):
+        method = al.PipeshardParallel(devices=jax.local_devices()[:4], num_micro_batches=2, layer_option="manual",
+                                      stage_option=stages, manual_sharding_option=option)
+        return al.parallelize(step_fn, method=method).plan(params, batch)
+
+    with pytest.raises(al.MethodOptionError, match="names 3 stages' mesh axes but the pipeline has 2 stages"):
+        run(al.ManualShardingOption(None, (("a", "b"),) * 3, ((P(None, "b"),) + (None,) * 7, None)))
+    with pytest.raises(al.MethodOptionError, match="a pipeline's results are each stage's own"):
+        run(al.ManualShardingOption(("a", "b"), in_axis_resources=None, out_axis_resources=None))
+    with pytest.raises(al.MethodOptionError, match=r"for \[0\]\[0\] on stage 0: .* names mesh axis 'model'"):
+        run(al.ManualShardingOption(("a", "b"), in_axis_resources=((P(None, "model"),) + (None,) * 7, None)))
+    # one name for every stage's axes: the batch's target split over axis "b" where stage 1 reads it
+    plan = run(al.ManualShardingOption(("a", "b"), in_axis_resources=((None,) * 8, (None, P("b")))))
+    assert dict(plan.pins)["[1][1]"] == "S1R"
 
 
 def test_lists_nnx_results_constants_and_states():

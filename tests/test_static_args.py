@@ -136,3 +136,35 @@ def test_a_programs_fingerprint_holds_its_literal_values_not_their_python_types(
         return step + 1, x * 2
 
     assert trace(count, 0, x).fingerprint == trace(count, np.int32(0), x).fingerprint
+
+
+def test_a_python_bool_is_static_and_arguments_may_be_given_by_name():
+    """Alpa's "auto" rule makes a Python bool argument static: Alpa's BERT and MoE tests call
+    ``train_step(state, batch, deterministic)`` on a step that branches on it (Flax's ``Dropout(deterministic=...)``).
+    Numbers stay traced (a new learning rate does not plan again). Arguments given by name go to their places, as
+    ``jax.jit`` takes them; a keyword-only parameter cannot be placed, and says so. Oracle: the function itself."""
+    calls = []
+
+    def step_fn(x, batch, deterministic=True, scale=3.0):
+        calls.append(deterministic)
+        if deterministic:
+            return x * scale
+        return x + batch * scale
+
+    step = al.parallelize(step_fn, method=al.ShardParallel())
+    x, b = jnp.arange(32.0).reshape(8, 4), jnp.ones((8, 4))
+    for args, kwargs in (((x, b, False), {}), ((x, b), {"deterministic": False}), ((x, b), {}), ((x, b, True), {}),
+                         ((x, b), {"scale": 5.0, "deterministic": False}), ((), {"batch": b, "x": x})):
+        np.testing.assert_allclose(np.asarray(step(*args, **kwargs)), np.asarray(step_fn(*args, **kwargs)), rtol=1e-6)
+    assert sorted(set(c for c in calls if isinstance(c, bool))) == [False, True]  # one trace per flag value
+    assert len(step.current_plan.inputs) == 2  # x and batch: the flag is bound, the default scale a constant
+    step(x, b, False, 7.0)
+    assert len(step.current_plan.inputs) == 3  # a number passed stays an argument of the program
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        step(x, b, bogus=1)
+
+    def keyword_only(x, *, flag):
+        return x
+
+    with pytest.raises(TypeError, match="takes 'flag' by keyword only.*functools.partial"):
+        al.parallelize(keyword_only)(x, flag=True)

@@ -31,7 +31,9 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf], batch: Collecti
     paths under it, shapes and dtypes): ``return loss, state`` and ``return state`` alone. That
     second rule only applies when the first found no state at all, and only to arguments of
     several leaves (or returned as the step's only result), so a batch returned changed (an
-    autoencoder's reconstruction) stays the batch.
+    autoencoder's reconstruction) stays the batch. Last, the first argument, a tuple or list, returned as
+    the whole result (``return new_params``, params a tuple of arrays: the result's paths are ``[0]``,
+    ``[1]``, ...) is state when its leaves below its top are exactly the result's.
     """
     by_path = {path: i for i, (path, _, _) in enumerate(args) if i not in batch}
     aliases = {}
@@ -61,6 +63,16 @@ def state_aliases(args: Sequence[Leaf], results: Sequence[Leaf], batch: Collecti
                 aliases.update({j: i for (*_, i), (*_, j) in zip(leaves, mine)})
                 used.add(top_out)
                 break
+    if aliases or len(results) < 2:
+        return aliases
+    # the step returns its first argument's tuple (or list) itself, new (``return new_params`` for
+    # ``step(params, batch)`` with params a tuple of arrays): the result's paths are that argument's below its top.
+    # The first only: a batch returned whole (an autoencoder's pair) comes after the state it is trained with.
+    whole = sorted((path, shape, dtype, j) for j, (path, shape, dtype) in enumerate(results))
+    members = groups_in.get("[0]", [])
+    leaves = sorted((_top(args[i][0])[1], args[i][1], args[i][2], i) for i in members)
+    if [leaf[:3] for leaf in leaves] == [leaf[:3] for leaf in whole]:
+        return {j: i for (*_, i), (*_, j) in zip(leaves, whole)}
     return aliases
 
 
