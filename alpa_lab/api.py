@@ -23,16 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lab._gc import quiet_gc
-from alpa_lab.cost.cluster import ClusterError, ClusterSpec, parse_bytes
+from alpa_lab.cost.cluster import ClusterError, ClusterSpec, LogicalMesh, parse_bytes
 from alpa_lab.graph.analysis import Leaf, batch_dimension, find_aliases, state_aliases
 from alpa_lab.graph.markers import auto_layers, forward_layers
 from alpa_lab.graph.opgraph import OpGraph
 from alpa_lab.graph.trace import (
     LostUpdatesError, TraceError, _path_str, args_signature, leaf_aval, static_hint, trace, with_nnx_changes, write_back_nnx,
 )
-from alpa_lab.passes.intra_op import OUTPUT_PIN, build_strategy_graph
+from alpa_lab.passes.intra_op import OUTPUT_PIN, StrategyGraph, build_strategy_graph
 from alpa_lab.passes.ilp import InfeasibleError
-from alpa_lab.passes.methods import METHODS, MethodError, make_plan, solve_tied
+from alpa_lab.passes.methods import METHODS, MethodError, MethodSolution, make_plan, solve_tied
 from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod, PlanMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import INFERENCE, SCHEDULES
@@ -72,6 +72,18 @@ def _keep(cache: dict, key: Any, value: Any, limit: int = TRACES_KEPT) -> Any:
 
 
 @quiet_gc()
+def _pure_data_parallel(mesh: LogicalMesh) -> LogicalMesh | None:
+    """Data parallelism on a line of devices issues the gradients' all-reduces and nothing else (Alpa's
+    ``force_data_parallel`` forbids all-gathers and all-to-alls): without this an MoE layer's weight gradient priced
+    cheaper from its inputs resharded over the experts by all-to-alls and then gathered, which is not data
+    parallelism. A grid keeps them: the cost model prices an all-reduce over both axes at the slower axis's
+    bandwidth, and a reduce-scatter, all-reduce, all-gather over the two axes is how an all-reduce runs there."""
+    if sum(n > 1 for n in mesh.shape) != 1:
+        return None
+    kinds = tuple(sorted(set(mesh.forbidden) | {"all-gather", "all-to-all"}))
+    return None if kinds == tuple(sorted(mesh.forbidden)) else dataclasses.replace(mesh, forbidden=kinds)
+
+
 def plan_graph(
     graph: OpGraph,
     cluster: ClusterSpec,
@@ -103,13 +115,23 @@ def plan_graph(
     errors = []
     for mesh in meshes:
         t0 = time.perf_counter()
-        try:
-            sg, solved = solve_tied(
-                lambda period, mesh=mesh: dataclasses.replace(
+
+        def solve(mesh: LogicalMesh) -> tuple[StrategyGraph, MethodSolution]:
+            return solve_tied(
+                lambda period: dataclasses.replace(
                     build_strategy_graph(graph, mesh, tie_period=period), batch_vars=batch_vars, batch_mesh_axis=batch_mesh_axis,
                     weight_update_sharding=weight_update_sharding),
                 method, pins, memory_budget=memory_budget,
             )
+
+        pure = _pure_data_parallel(mesh) if method == "data_parallel" else None
+        try:
+            try:
+                sg, solved = solve(pure or mesh)
+            except InfeasibleError:
+                if pure is None:
+                    raise
+                sg, solved = solve(mesh)  # a program pure data parallelism cannot plan: what it needs besides
         except MethodError as exc:
             errors.append(str(exc))
             continue

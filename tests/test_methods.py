@@ -61,8 +61,12 @@ def test_weight_update_rewrite_from_data_parallel(big):
     and apply the rewrite: large optimizer state gets split, gradients reduce-scattered."""
     step = al.parallelize(big.train_step, cluster=CLUSTER, mesh_shape=(1, 4), method="data_parallel")
     dp = step.plan(*big.args)
-    sg = dp.problem
+    assert dp.forbidden_collectives  # pure data parallelism on a line of devices: no all-gather (the rewrite's)
+    # the same program's problem without that restriction (the rewrite gathers the new weights)
+    sg = al.parallelize(big.train_step, cluster=CLUSTER, mesh_shape=(1, 4)).plan(*big.args).problem
     before = solve_method(sg, "data_parallel")
+    # without the restriction the ILP's "data parallelism" splits the update (gathering the new weights), cheaper
+    assert before.solution.objective <= dp.objective * (1 + 1e-9)
     rewritten = shard_weight_update(sg, before.solution, {}, None)
     assert rewritten.rewrites, "the 1024x1024 kernels' Adam moments should be split"
     assert all("kernel" in r for r in rewritten.rewrites)  # biases are latency-bound: left alone
@@ -100,8 +104,9 @@ def test_batch_dims_follow_the_batch_through_transposes_and_stop_at_its_sums():
     shape is the activations' (64 x 64 both: a rule on shapes could not tell them apart). Under data parallelism
     every op making a batch tensor keeps that dimension split (``batch_op_restrictions``)."""
 
-    def step(w, x):
-        return w - 0.1 * jax.grad(lambda w: jax.numpy.mean(jax.numpy.tanh((x @ w).T) ** 2))(w)
+    def step(w, x):  # the loss returned too: a gradient alone would leave the mean dead code (not traced)
+        loss, grad = jax.value_and_grad(lambda w: jax.numpy.mean(jax.numpy.tanh((x @ w).T) ** 2))(w)
+        return w - 0.1 * grad, loss
 
     w, x = jax.numpy.ones((64, 64)), jax.numpy.ones((64, 64))
     plan = al.parallelize(step, cluster=CLUSTER, mesh_shape=(1, 4), method="data_parallel").plan(w, x)
