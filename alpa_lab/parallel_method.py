@@ -656,8 +656,11 @@ class LogicalDeviceMesh:
         return self._collective_cost("reduce-scatter", num_bytes, mesh_dim)
 
     def all_to_all_cost(self, num_bytes: float, mesh_dim: int) -> float:
-        """An all-to-all of ``num_bytes`` over ``mesh_dim``: alpha + beta * (n - 1) / n * bytes."""
-        return self._collective_cost("all-to-all", num_bytes, mesh_dim)
+        """An all-to-all of a tensor of ``num_bytes`` (all of it, as Alpa's tests count) over ``mesh_dim``, as the planner
+        prices it: each device sends (n - 1) / n of its tile, ``num_bytes / n`` (alpha + beta * (n - 1) / n * tile; Alpa's
+        implementation multiplies the bytes term by an empirical n / 2, which the paper's Table 2 does not)."""
+        n = self.shape[mesh_dim] if mesh_dim in (0, 1) else 1
+        return self._collective_cost("all-to-all", num_bytes / max(n, 1), mesh_dim)
 
     def flatten(self) -> LogicalDeviceMesh:
         """The same devices as one line (an n x 1 grid), each axis priced as the slower of this grid's: a collective

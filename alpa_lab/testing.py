@@ -8,6 +8,8 @@ in the model cuts a pipeline, and run as plain JAX too (the serial reference a t
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import unittest
 from collections.abc import Callable
@@ -24,7 +26,8 @@ from alpa_lab.graph.loss_scale import DynamicScale
 from alpa_lab.graph.markers import mark_pipeline_boundary, value_and_grad
 
 __all__ = [
-    "BertLayerModel", "MLPModel", "PipelineBasicTest", "TrainState", "assert_allclose", "create_train_state", "data_loader_input_iter_func",
+    "BertConfig", "BertLayerModel", "MLPModel", "PipelineBasicTest", "TrainState", "assert_allclose", "create_train_state",
+    "data_loader_input_iter_func",
     "get_bert_layer_train_state_and_step", "get_mlp_train_state_and_step", "mlp_inference_step",
 ]
 
@@ -130,20 +133,47 @@ class BertLayer(nn.Module):
         return nn.LayerNorm(dtype=self.dtype)(x + nn.Dense(self.hidden_size, dtype=self.dtype)(h))
 
 
-class BertLayerModel(nn.Module):
-    """``num_layers`` BERT encoder layers; with ``add_manual_pipeline_marker`` a stage boundary between each two."""
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """The sizes of ``BertLayerModel``'s layers, in the names of Alpa's (and Hugging Face's) ``BertConfig``; the
+    defaults are BERT-base's."""
 
-    hidden_size: int
-    num_heads: int
-    num_layers: int
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+
+
+class BertLayerModel(nn.Module):
+    """``num_layers`` BERT encoder layers; with ``add_manual_pipeline_marker`` a stage boundary between each two.
+    Sized by ``hidden_size``, ``num_heads`` and ``num_layers`` (a feed-forward 4x wide), or by ``config`` (a
+    ``BertConfig``, as Alpa's tests write ``BertLayerModel(config=BertConfig(...))``)."""
+
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    num_layers: int | None = None
     dtype: Any = jnp.float32
     add_manual_pipeline_marker: bool = True
+    config: BertConfig | None = None
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(hidden, heads, feed-forward width, layers), from the config or the fields, whichever was given."""
+        given = (self.hidden_size, self.num_heads, self.num_layers)
+        if self.config is not None:
+            if any(v is not None for v in given):
+                raise ValueError("BertLayerModel takes config=BertConfig(...) or hidden_size/num_heads/num_layers, not both")
+            c = self.config
+            return c.hidden_size, c.num_attention_heads, c.intermediate_size, c.num_hidden_layers
+        if any(v is None for v in given):
+            raise ValueError("BertLayerModel needs hidden_size, num_heads and num_layers (or config=BertConfig(...))")
+        return self.hidden_size, self.num_heads, 4 * self.hidden_size, self.num_layers
 
     @nn.compact
     def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        for i in range(self.num_layers):
-            x = BertLayer(self.hidden_size, self.num_heads, 4 * self.hidden_size, self.dtype)(x, attention_mask)
-            if self.add_manual_pipeline_marker and i != self.num_layers - 1:
+        hidden, heads, intermediate, layers = self.sizes()
+        for i in range(layers):
+            x = BertLayer(hidden, heads, intermediate, self.dtype)(x, attention_mask)
+            if self.add_manual_pipeline_marker and i != layers - 1:
                 mark_pipeline_boundary()
         return x
 

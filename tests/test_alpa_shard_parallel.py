@@ -149,6 +149,25 @@ def test_merging_followers_never_costs_the_optimum():
     assert merged == pytest.approx(alone, rel=1e-6)
 
 
+@pytest.mark.parametrize("name, shape", [("mlp", (1, 4)), ("gpt", (1, 4)), ("wide_resnet", (2, 2))])
+def test_merging_followers_read_by_several_ops_keeps_the_optimum(name, shape):
+    """A follower merged takes its operand as made, so a resharding it needs lands on each of its readers' edges,
+    where one before it served them all. Merging followers read by several ops (not counting their own followers)
+    cost the example models' plans on the preset's 2 x 2 devices 0.004-29% (the tiny MLP on 1 x 4: 0.156 against
+    0.121 ms); such followers now stay alone, and the merged ILP is within 1% of the unmerged one (measured:
+    0-0.84% over the five example models on 1 x 4 and 2 x 2)."""
+    from alpa_lab.graph.trace import trace
+    from alpa_lab.models import tiny_example
+    from alpa_lab.passes.intra_op import build_strategy_graph, solve_strategy_graph
+
+    ex = tiny_example(name)
+    graph = trace(ex.train_step, *ex.args)
+    mesh = al.ClusterSpec.local(2, 2, calibrated=False).logical_mesh(shape)
+    merged = solve_strategy_graph(build_strategy_graph(graph, mesh)).objective
+    alone = solve_strategy_graph(build_strategy_graph(graph, mesh, merge_trivial_ops=False)).objective
+    assert alone * (1 - 1e-9) <= merged <= alone * 1.01, (merged, alone)
+
+
 def test_alpas_option_mutation_and_device_meshes():
     method = al.ShardParallel()
     assert isinstance(method.as_option, al.AutoShardingOption)

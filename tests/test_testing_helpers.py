@@ -110,3 +110,26 @@ def test_pipeline_basic_test_runs_alpas_cases():
         assert len(texts) >= 4  # two stages' forward and backward at least
     finally:
         case.tearDown()
+
+
+def test_bert_layer_model_takes_alpas_config():
+    """Alpa's tests size the BERT layers with ``BertLayerModel(config=BertConfig(...))``; the same sizes given as
+    fields make the same model (equal parameters and outputs), and a feed-forward width other than 4x is the
+    config's."""
+    from alpa_lab.testing import BertConfig, BertLayerModel
+
+    x, mask = jnp.ones((2, 8, 32)), jnp.ones((2, 8), jnp.int8)
+    by_config = BertLayerModel(config=BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=128,
+                                                 num_hidden_layers=2), add_manual_pipeline_marker=False)
+    by_fields = BertLayerModel(hidden_size=32, num_heads=4, num_layers=2, add_manual_pipeline_marker=False)
+    p1, p2 = by_config.init(jax.random.PRNGKey(0), x, mask), by_fields.init(jax.random.PRNGKey(0), x, mask)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(by_config.apply(p1, x, mask)), np.asarray(by_fields.apply(p2, x, mask)))
+    narrow = BertLayerModel(config=BertConfig(32, 4, 48, 1)).init(jax.random.PRNGKey(0), x, mask)
+    assert {(32, 48), (48, 32)} <= {tuple(w.shape) for w in jax.tree_util.tree_leaves(narrow) if w.ndim == 2}
+    assert (32, 128) not in {tuple(w.shape) for w in jax.tree_util.tree_leaves(narrow)}
+    with pytest.raises(ValueError, match="not both"):
+        BertLayerModel(hidden_size=32, config=BertConfig()).init(jax.random.PRNGKey(0), x, mask)
+    with pytest.raises(ValueError, match="needs hidden_size, num_heads and num_layers"):
+        BertLayerModel(hidden_size=32).init(jax.random.PRNGKey(0), x, mask)

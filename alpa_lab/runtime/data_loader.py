@@ -42,8 +42,11 @@ class DataLoader:
         missing = [i for i, s in enumerate(specs) if not s.shardings]
         if missing:
             raise ValueError(
-                f"placement spec {missing[0]} has no shardings: its plan is for devices this process does not have (a Ray "
-                "cluster's); a run on the mesh workers sends them its batches, so iterate over the host batches instead")
+                f"placement spec {missing[0]} has no shardings, so it says no devices to put the batch on: either it was "
+                "made by hand (PlacementSpec(aval, mesh_ids, specs) names a plan's meshes by number: take the step's, "
+                "executable.get_input_placement_specs()[1], or give shardings=(a jax NamedSharding,)), or its plan is "
+                "for devices this process does not have (a Ray cluster's), whose run sends the mesh workers its batches: "
+                "iterate over the host batches instead")
         self.input_iter = input_iter
         self.prefetch_size = int(prefetch_size)
         self.placement_specs = placement_specs
