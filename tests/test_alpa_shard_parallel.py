@@ -110,11 +110,17 @@ def test_megatron_alternation_for_large_weights(shape):
 
 
 def test_a_2d_mesh_splits_the_weights_over_its_fast_axis():
-    """2x2, axis 1 ten times faster (Alpa's mesh_beta [1, 0.1]): the kernels alternate over axis 1, the batch
-    goes over axis 0; no matmul is left to one axis with the other recomputing it."""
+    """2x2, axis 1 ten times faster (Alpa's mesh_beta [1, 0.1]): the batch goes over axis 0 and the first kernel
+    and every other one after it are split over axis 1; no matmul is left to one axis with the other recomputing it.
+
+    Alpa's test expects every kernel split, alternating columns and rows. With the follower merge no longer forcing
+    a resharding onto each reader of a ReLU, the ILP finds a plan 1% cheaper by the same alpha-beta costs (20300.8
+    against 20497.6): the odd layers run data parallel over all four devices, their inputs moved by all-to-alls
+    over the fast axis."""
     state, _, _, step = run_mlp(256, 32, al.ShardParallel(devices=logical_mesh((2, 2), beta=(1, 0.1))))
-    for k in range(LAYERS):
-        assert kernel_axes(state, k) == (((), ("y",)) if k % 2 == 0 else (("y",), ())), k
+    for k in range(0, LAYERS, 2):
+        assert kernel_axes(state, k) == ((), ("y",)), k
+    assert step.current_plan.objective < 20497.6  # Alpa's alternation, as this planner chose it before
     for op in step.current_plan.ops:
         if op.primitive == "dot_general":
             used = {c for spec in op.input_specs for c in spec if c.isdigit()}

@@ -655,7 +655,8 @@ def solve_strategy_graph(
             if conflict:
                 where = " within the memory budget" if memory_budget else ""
                 if sg.mesh.forbidden:  # the pair may be fine but for the resharding between them
-                    where += f" without {' or '.join(sg.mesh.forbidden)} (the plan's AutoShardingOption forbids it)"
+                    where += (f" without {' or '.join(sg.mesh.forbidden)} (the plan's AutoShardingOption forbids it, or its "
+                              "method: data parallelism on a line of devices issues neither)")
                 raise PinError(
                     f"these pins cannot hold together{where}: "
                     + ", ".join(f"{k}={v!r}" for k, v in conflict.items())
