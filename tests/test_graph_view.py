@@ -32,7 +32,7 @@ def gpt():
     ex = tiny_example("gpt")
     step = al.parallelize(ex.train_step, cluster=LOCAL, microbatches=4, layers=4)
     plan = step.plan(ex.state, ex.batch).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)])
-    plan = plan.pin("dot_general_0", "RS1RR = RS1R x RRR")  # a resharding to draw
+    plan = plan.pin("dot_general_1", "RS1RR = RS1R x RRR")  # a resharding to draw, between two nodes
     step.current_plan = plan
     return ex, step, plan
 
