@@ -71,7 +71,6 @@ def _keep(cache: dict, key: Any, value: Any, limit: int = TRACES_KEPT) -> Any:
     return value
 
 
-@quiet_gc()
 def _pure_data_parallel(mesh: LogicalMesh) -> LogicalMesh | None:
     """Data parallelism on a line of devices issues the gradients' all-reduces and nothing else (Alpa's
     ``force_data_parallel`` forbids all-gathers and all-to-alls): without this an MoE layer's weight gradient priced
@@ -84,6 +83,7 @@ def _pure_data_parallel(mesh: LogicalMesh) -> LogicalMesh | None:
     return None if kinds == tuple(sorted(mesh.forbidden)) else dataclasses.replace(mesh, forbidden=kinds)
 
 
+@quiet_gc()
 def plan_graph(
     graph: OpGraph,
     cluster: ClusterSpec,

@@ -9,7 +9,6 @@ in the model cuts a pipeline, and run as plain JAX too (the serial reference a t
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import unittest
 from collections.abc import Callable

@@ -14,13 +14,12 @@ maps the group choices back to every op. It is pure: same inputs, same result.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import dataclasses
 import functools
 import re
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping
 
@@ -424,10 +423,11 @@ def _op_key(op: Op, graph: OpGraph) -> tuple:
     return (op.primitive, op.signature or param_signature(op.params), ins, outs, op.flops)
 
 
-def _followed_operand(graph: OpGraph, op: Op, node_of_var: Mapping[int, tuple[int, int]]) -> int | None:
-    """The operand a trivial op follows (``_merge_trivial_ops``): its largest planned one, the first of equals."""
-    operands = [(graph.vars[v].nbytes, -pos, v) for pos, v in enumerate(op.inputs) if v in node_of_var]
-    return max(operands)[2] if operands else None
+def _followed_operand(graph: OpGraph, op: Op, node_of_var: Mapping[int, tuple[int, int]]) -> tuple[int, int] | None:
+    """(position, var) of the operand a trivial op follows (``_merge_trivial_ops``): its largest planned one, the
+    first of equals; None if it has none planned."""
+    operands = [(graph.vars[v].nbytes, -pos, pos, v) for pos, v in enumerate(op.inputs) if v in node_of_var]
+    return max(operands)[2:] if operands else None
 
 
 def _merge_trivial_ops(
@@ -450,21 +450,19 @@ def _merge_trivial_ops(
         return group_of_node, member_map
     # each op's readers that are not followers of it (a follower of its result joins its group, taking its layout:
     # no resharding between them): a layout a follower needs is resharded once per such reader when merged
+    followed = {op.index: _followed_operand(graph, op, node_of_var) for op in graph.ops if is_follower(op)}
     readers: Counter = Counter(graph.outvars)
     for op in graph.ops:
-        lead = _followed_operand(graph, op, node_of_var) if is_follower(op) else None
-        readers.update(v for v in op.inputs if v != lead)
+        lead = followed.get(op.index)
+        readers.update(v for v in op.inputs if lead is None or v != lead[1])
     follows: dict[tuple, np.ndarray] = {}
     for idx, node in enumerate(nodes):
         if node.op_index is None:
             continue
         op = graph.ops[node.op_index]
-        if not is_follower(op) or readers[op.outputs[0]] > 1:
+        if followed.get(op.index) is None or readers[op.outputs[0]] > 1:
             continue
-        operands = [(graph.vars[v].nbytes, -pos, pos, v) for pos, v in enumerate(op.inputs) if v in node_of_var]
-        if not operands:
-            continue
-        _, _, pos, vid = max(operands)
+        pos, vid = followed[op.index]
         leader, out = node_of_var[vid]
         key = (id(nodes[leader].strategies), out, id(node.strategies), pos)
         if key not in follows:  # repeated layers share strategy tuples: computed once each
