@@ -29,7 +29,7 @@ from alpa_lab.cost.cluster import LogicalMesh
 from alpa_lab.graph.analysis import classify_arguments, find_aliases
 from alpa_lab.graph.opgraph import Op, OpGraph, Var, did_you_mean
 from alpa_lab.graph.trace import param_signature
-from alpa_lab.passes.ilp import ILP_TIME_LIMIT, CostGraph, ILPSolution, InfeasibleError, solve
+from alpa_lab.passes.ilp import ILP_TIME_LIMIT, CostGraph, ILPSolution, InfeasibleError, evaluate, solve
 from alpa_lab.plan import Alternative, Explanation, PinError, Plan  # PinError: defined with the plan, raised here too
 from alpa_lab.sharding.resharding import resharding
 from alpa_lab.sharding.rules import has_rule, is_follower, planned_strategies
@@ -118,6 +118,13 @@ class StrategyGraph:
     weight_update_sharding: bool = True
     """whether the ILP's own method applies the paper's post-ILP weight-update sharding (``methods.shard_weight_update``);
     False for Alpa's ``ShardParallel`` without ``prefer_reduce_scatter``, which leaves the update replicated"""
+    node_weights: np.ndarray | None = None
+    """per node, the weight of its cost (and of the reshardings into it) in what the ILP minimises; None: all 1, the
+    program runs once. A pipeline stage runs its forward and backward once per micro-batch and its update once per
+    step (``weighted_by_microbatch``): the update weighs 1 / micro-batches, so the ILP minimises a step's time"""
+    plain_cost_graph: CostGraph | None = None
+    """where ``cost_graph`` is weighted (``node_weights``), the same graph with every cost once: what a solution's
+    ``objective`` and a plan's report (each op's and each resharding's cost, summed)"""
 
     @functools.cached_property
     def _node_indices(self) -> dict[str, int]:
@@ -190,11 +197,18 @@ class StrategyGraph:
 
 @dataclass(frozen=True)
 class IntraOpSolution:
-    """A choice of strategy for every node of a StrategyGraph."""
+    """A choice of strategy for every node of a StrategyGraph.
+
+    ``objective``: every cost once (the plan's objective); ``minimised``: what the ILP minimised, which differs
+    from it on a weighted graph (``StrategyGraph.node_weights``) and is what solutions are compared by."""
 
     choice: tuple[int, ...]
     objective: float
     ilp: ILPSolution
+
+    @property
+    def minimised(self) -> float:
+        return self.ilp.objective
 
 
 def build_strategy_graph(
@@ -264,7 +278,8 @@ def build_strategy_graph(
 
     merged, member_map = _merge_trivial_ops(graph, nodes, node_of_var, merge_trivial_ops)
     group_of_node, ties = _tied(graph, nodes, merged, tie_period) if reuse_repeated_blocks else (merged, 0)
-    cost_graph = _cost_graph(graph, mesh, nodes, edges, group_of_node, member_map)
+    var_info = {v.id: (v.shape, v.itemsize) for v in graph.vars}
+    cost_graph = _cost_graph(var_info, mesh, nodes, edges, group_of_node, member_map)
     return StrategyGraph(
         mesh=mesh,
         nodes=tuple(nodes),
@@ -281,7 +296,7 @@ def build_strategy_graph(
         outvars=graph.outvars,
         in_paths=graph.in_paths,
         out_paths=graph.out_paths,
-        var_info={v.id: (v.shape, v.itemsize) for v in graph.vars},
+        var_info=var_info,
         var_dtype={v.id: v.dtype for v in graph.vars},
         argument_kinds=argument_kinds,
         tie_period=tie_period,
@@ -307,11 +322,38 @@ def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
     t0 = time.perf_counter()
     nodes = list(sg.nodes)
     group_of_node, ties = _tied(graph, nodes, sg.merged_groups, tie_period)
-    cost_graph = _cost_graph(graph, sg.mesh, nodes, list(sg.edges), group_of_node, list(sg.member_map))
+    cost_graph = _cost_graph(sg.var_info, sg.mesh, nodes, list(sg.edges), group_of_node, list(sg.member_map))
+    plain = None
+    if sg.node_weights is not None:  # weighted as sg was
+        plain, cost_graph = cost_graph, _cost_graph(
+            sg.var_info, sg.mesh, nodes, list(sg.edges), group_of_node, list(sg.member_map), sg.node_weights)
     return dataclasses.replace(
-        sg, group_of_node=group_of_node, cost_graph=cost_graph, tie_period=tie_period, ties=ties,
+        sg, group_of_node=group_of_node, cost_graph=cost_graph, plain_cost_graph=plain, tie_period=tie_period, ties=ties,
         build_seconds=time.perf_counter() - t0,
     )
+
+
+def weighted_by_microbatch(sg: StrategyGraph, per_step: Collection[int], microbatches: int) -> StrategyGraph:
+    """``sg`` as a pipeline stage's problem: its ``per_step`` nodes (the update) run once per step, the rest once
+    per micro-batch, so the ILP weighs the update's costs (and the reshardings into it) 1 / ``microbatches``.
+
+    Unweighted, a stage's ILP prices a step's update like one micro-batch's forward and backward: on
+    256 devices across hosts it kept GPT-3's weights split and gathered them every micro-batch (1.30 s
+    per micro-batch) to save one gather of the updated weights a step, where replicated weights and split
+    gradients took 0.68 s (the layer's own ILP, which the stage DP prices, has no update). Weighted,
+    the objective is a step's time / ``microbatches``, which the schedule multiplies out.
+    """
+    if microbatches <= 1 or not per_step:
+        return sg if sg.node_weights is None else dataclasses.replace(
+            sg, cost_graph=sg.plain_cost_graph, plain_cost_graph=None, node_weights=None)
+    weights = np.ones(len(sg.nodes))
+    weights[np.fromiter(per_step, dtype=np.int64)] = 1.0 / microbatches
+    if sg.node_weights is not None and np.array_equal(weights, sg.node_weights):
+        return sg
+    weighted = _cost_graph(sg.var_info, sg.mesh, list(sg.nodes), list(sg.edges), sg.group_of_node, list(sg.member_map),
+                           weights)
+    return dataclasses.replace(sg, cost_graph=weighted, plain_cost_graph=sg.plain_cost_graph or sg.cost_graph,
+                               node_weights=weights)
 
 
 def relabel(sg: StrategyGraph, built_from: OpGraph, graph: OpGraph) -> StrategyGraph | None:
@@ -537,14 +579,17 @@ def _tie_repeated_blocks(
 
 
 def _cost_graph(
-    graph: OpGraph,
+    var_info: Mapping[int, tuple[tuple[int, ...], int]],
     mesh: LogicalMesh,
     nodes: list[PlanningNode],
     edges: list[OperandEdge],
     group_of_node: np.ndarray,
     member_map: list[np.ndarray],
+    weights: np.ndarray | None = None,
 ) -> CostGraph:
-    """Costs per group (sum over members) and resharding matrices between groups."""
+    """Costs per group (sum over members) and resharding matrices between groups; with ``weights``, each node's
+    costs times its weight and each resharding's times the lighter of its two ends' (one into the update, or out
+    of it into a returned weight's layout, runs with the update)."""
     gindex = group_index(group_of_node)
     groups = list(gindex)
     costs = [np.zeros(len(nodes[g].strategies)) for g in groups]
@@ -558,7 +603,7 @@ def _cost_graph(
                 np.array([s.memory_cost for s in node.strategies]),
             )
         cost, mem = per_strategy[id(node.strategies)]
-        costs[gi] += cost[member_map[n]]
+        costs[gi] += cost[member_map[n]] if weights is None or weights[n] == 1.0 else cost[member_map[n]] * weights[n]
         memory[gi] += mem[member_map[n]]
     tables = _cache(_RESHARDING_TABLES, mesh)
     # kept per mesh across builds (a stage after its layers, a re-tie, the next candidate's stages):
@@ -574,12 +619,12 @@ def _cost_graph(
         return identity[n]
 
     for e in edges:
-        var = graph.vars[e.var]
+        shape, itemsize = var_info[e.var]
         alias = e.consumer < 0  # an output that must come back in its argument's layout
         consumer = e.operand if alias else e.consumer
         producer_strategies, consumer_strategies = nodes[e.producer].strategies, nodes[consumer].strategies
         # repeated layers share strategy tuples (see _op_key), so most edges hit this cache
-        key = (id(producer_strategies), e.output, id(consumer_strategies), alias, e.operand, var.shape, var.itemsize)
+        key = (id(producer_strategies), e.output, id(consumer_strategies), alias, e.operand, shape, itemsize)
         hit = edge_tables.get(key)
         if hit is None or hit[0] is not producer_strategies or hit[1] is not consumer_strategies:
             src = [s.output_specs[e.output] for s in producer_strategies]
@@ -587,8 +632,11 @@ def _cost_graph(
                 dst = [s.output_specs[0] for s in consumer_strategies]
             else:
                 dst = [s.input_specs[e.operand] for s in consumer_strategies]
-            hit = edge_tables[key] = (producer_strategies, consumer_strategies, _resharding_table(src, dst, var, mesh, tables))
+            hit = edge_tables[key] = (producer_strategies, consumer_strategies,
+                                      _resharding_table(src, dst, shape, itemsize, mesh, tables))
         table = hit[2]
+        if weights is not None and min(weights[e.producer], weights[consumer]) != 1.0:
+            table = table * min(weights[e.producer], weights[consumer])
         gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
         rows, cols = member_map[e.producer], member_map[consumer]
         if gu == gv:  # both ends in one group: its r-th strategy pays R[rows[r], cols[r]]
@@ -609,15 +657,15 @@ def _cost_graph(
 
 
 def _resharding_table(
-    src: list[ShardingSpec], dst: list[ShardingSpec], var: Var, mesh: LogicalMesh, cache: dict
+    src: list[ShardingSpec], dst: list[ShardingSpec], shape: tuple[int, ...], itemsize: int, mesh: LogicalMesh, cache: dict
 ) -> np.ndarray:
-    """Seconds to reshard ``var`` from each src spec to each dst spec (cached by shape)."""
+    """Seconds to reshard a tensor of ``shape`` from each src spec to each dst spec (cached by shape)."""
     usrc = sorted(set(src), key=str)
     udst = sorted(set(dst), key=str)
-    key = (var.shape, var.itemsize, tuple(usrc), tuple(udst))
+    key = (shape, itemsize, tuple(usrc), tuple(udst))
     if key not in cache:
         cache[key] = np.array(
-            [[resharding(a, b, var.shape, var.itemsize, mesh).cost for b in udst] for a in usrc]
+            [[resharding(a, b, shape, itemsize, mesh).cost for b in udst] for a in usrc]
         )
     table = cache[key]
     at_src = {s: i for i, s in enumerate(usrc)}
@@ -645,7 +693,7 @@ def solve_strategy_graph(
     given = pins
     pins, layouts = split_output_pins(sg, pins)
     try:
-        cost_graph = _with_output_layouts(sg, layouts) if layouts else sg.cost_graph
+        cost_graph = _with_output_layouts(sg, layouts, sg.cost_graph, sg.node_weights) if layouts else sg.cost_graph
         sol = solve(cost_graph, allowed=allowed, memory_budget=memory_budget, time_limit=time_limit)
     except InfeasibleError as exc:
         if pins or layouts:
@@ -666,7 +714,11 @@ def solve_strategy_graph(
     choice = tuple(
         int(sg.member_map[n][sol.choice[gindex[int(sg.group_of_node[n])]]]) for n in range(len(sg.nodes))
     )
-    return IntraOpSolution(choice=choice, objective=sol.objective, ilp=sol)
+    objective = sol.objective
+    if sg.plain_cost_graph is not None:  # weighted: the plan reports every cost once
+        plain = _with_output_layouts(sg, layouts, sg.plain_cost_graph, None) if layouts else sg.plain_cost_graph
+        objective = evaluate(plain, sol.choice)
+    return IntraOpSolution(choice=choice, objective=objective, ilp=sol)
 
 
 def group_index(group_of_node: np.ndarray) -> dict[int, int]:
@@ -730,21 +782,24 @@ def _alias_edge(sg: StrategyGraph, pos: int) -> OperandEdge | None:
     return next((e for e in sg.edges if e.consumer == -1 - pos), None)
 
 
-def _with_output_layouts(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec]) -> CostGraph:
-    """The cost graph with, on the op making each pinned result, the resharding into its pinned layout. A new state
-    pinned so no longer goes straight back into its argument's layout: its alias edge is taken out, and the
-    argument pays the resharding from the pinned layout instead (once a step, as the alias edge did)."""
-    costs = list(sg.cost_graph.node_costs)
-    edges = {(u, v): m for u, v, m in sg.cost_graph.edges}
+def _with_output_layouts(
+    sg: StrategyGraph, layouts: Mapping[int, ShardingSpec], base: CostGraph, weights: np.ndarray | None
+) -> CostGraph:
+    """``base`` (``sg``'s cost graph, weighted by ``weights`` as ``_cost_graph`` weighs) with, on the op making each
+    pinned result, the resharding into its pinned layout. A new state pinned so no longer goes straight back into its
+    argument's layout: its alias edge is taken out, and the argument pays the resharding from the pinned layout
+    instead (once a step, as the alias edge did)."""
+    costs = list(base.node_costs)
+    edges = {(u, v): m for u, v, m in base.edges}
     gindex = group_index(sg.group_of_node)
 
-    def unary(n: int, out: int, src_of: Any, dst_of: Any, shape: tuple[int, ...], itemsize: int) -> None:
+    def unary(n: int, out: int, src_of: Any, dst_of: Any, shape: tuple[int, ...], itemsize: int, weight: float) -> None:
         price: dict[tuple, float] = {}
         for s in sg.nodes[n].strategies:
             key = (src_of(s), dst_of(s))
             if key not in price:
                 price[key] = resharding(key[0], key[1], shape, itemsize, sg.mesh).cost
-        vec = np.array([price[(src_of(s), dst_of(s))] for s in sg.nodes[n].strategies])
+        vec = np.array([price[(src_of(s), dst_of(s))] for s in sg.nodes[n].strategies]) * weight
         g = gindex[int(sg.group_of_node[n])]
         costs[g] = costs[g] + vec[sg.member_map[n]]
 
@@ -752,13 +807,15 @@ def _with_output_layouts(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec])
         v = sg.outvars[pos]
         n, out = sg.node_of_var[v]
         shape, itemsize = sg.var_info[v]
-        unary(n, out, lambda s: s.output_specs[out], lambda s: layout, shape, itemsize)
+        unary(n, out, lambda s: s.output_specs[out], lambda s: layout, shape, itemsize,
+              1.0 if weights is None else float(weights[n]))
         e = _alias_edge(sg, pos)
         if e is None:
             continue
         arg = e.operand
-        table = np.array([[resharding(a.output_specs[e.output], b.output_specs[0], shape, itemsize, sg.mesh).cost
-                           for b in sg.nodes[arg].strategies] for a in sg.nodes[e.producer].strategies])
+        weight = 1.0 if weights is None else float(min(weights[e.producer], weights[arg]))
+        table = weight * np.array([[resharding(a.output_specs[e.output], b.output_specs[0], shape, itemsize, sg.mesh).cost
+                                    for b in sg.nodes[arg].strategies] for a in sg.nodes[e.producer].strategies])
         rows, cols = sg.member_map[e.producer], sg.member_map[arg]
         gu, gv = gindex[int(sg.group_of_node[e.producer])], gindex[int(sg.group_of_node[arg])]
         if gu == gv:
@@ -767,8 +824,8 @@ def _with_output_layouts(sg: StrategyGraph, layouts: Mapping[int, ShardingSpec])
             edges[(gu, gv)] = edges[(gu, gv)] - table[np.ix_(rows, cols)]
         else:
             edges[(gv, gu)] = edges[(gv, gu)] - table[np.ix_(rows, cols)].T
-        unary(arg, 0, lambda s: layout, lambda s: s.output_specs[0], shape, itemsize)
-    return dataclasses.replace(sg.cost_graph, node_costs=tuple(costs), edges=tuple((u, v, m) for (u, v), m in edges.items()))
+        unary(arg, 0, lambda s: layout, lambda s: s.output_specs[0], shape, itemsize, weight)
+    return dataclasses.replace(base, node_costs=tuple(costs), edges=tuple((u, v, m) for (u, v), m in edges.items()))
 
 
 def allowed_strategies(
@@ -827,7 +884,7 @@ def _conflicting_pins(
         try:
             allowed = allowed_strategies(sg, subset, restrictions)
             layouts = split_output_pins(sg, subset)[1]  # results' pins are members too (a forbidden resharding)
-            solve(_with_output_layouts(sg, layouts) if layouts else sg.cost_graph, allowed=allowed,
+            solve(_with_output_layouts(sg, layouts, sg.cost_graph, sg.node_weights) if layouts else sg.cost_graph, allowed=allowed,
                   memory_budget=memory_budget, time_limit=time_limit)
             return True
         except (InfeasibleError, PinError):

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from alpa_lab.graph.analysis import batch_dimension
 from alpa_lab.passes.ilp import ILP_TIME_LIMIT
 from alpa_lab.passes.intra_op import (
@@ -69,9 +71,78 @@ def solve_method(
     with the best plan found by then."""
     restrictions = method_restrictions(method, sg, pins)
     solution = solve_strategy_graph(sg, pins, restrictions=restrictions, memory_budget=memory_budget, time_limit=time_limit)
-    if method != "alpa" or not sg.weight_update_sharding:
+    if method != "alpa":
+        return MethodSolution(solution, restrictions)
+    if not sg.weight_update_sharding and sg.node_weights is not None:  # a pipeline stage's step (docstring below)
+        return update_follows_parameters(sg, solution, pins or {}, memory_budget, restrictions, time_limit=time_limit)
+    if not sg.weight_update_sharding:
         return MethodSolution(solution, restrictions)
     return shard_weight_update(sg, solution, pins or {}, memory_budget, restrictions, time_limit=time_limit)
+
+
+def update_follows_parameters(
+    sg: StrategyGraph, solution: IntraOpSolution, pins: Mapping[str, str], memory_budget: float | None,
+    given: Mapping[str, tuple[str, ...]], *, time_limit: float = ILP_TIME_LIMIT,
+) -> MethodSolution:
+    """Without weight-update sharding (Alpa's ``prefer_reduce_scatter=False``) the update runs where the parameters
+    are, as Alpa compiles it after the ILP: each optimizer-state leaf the ILP stored otherwise than the parameter
+    its update reads (Adam's moments of a kernel) is held to that parameter's layout, and the ILP re-solved.
+
+    Asked where the update weighs less than a micro-batch (a pipeline stage, ``StrategyGraph.node_weights``):
+    reduce-scattered gradients and a split update gathered once a step are then cheaper than an all-reduce every
+    micro-batch, and the ILP would choose the weight-update sharding the user turned off. (Unweighted the two move
+    the same bytes, and the ILP's choice stands.) Pinned state keeps its pin.
+    """
+    held: dict[str, tuple[str, ...]] = {}
+    partners = _state_parameters(sg)
+    for state, param in partners.items():
+        name = sg.nodes[state].name
+        want = sg.nodes[param].strategies[solution.choice[param]].output_specs[0]
+        chosen = sg.nodes[state].strategies[solution.choice[state]].output_specs[0]
+        if name in pins or name in given or chosen == want:
+            continue
+        if any(s.output_specs[0] == want for s in sg.nodes[state].strategies):
+            held[name] = (str(want),)
+    if not held:
+        return MethodSolution(solution, given)
+    try:
+        kept = {sg.nodes[p].name: sg.nodes[p].strategies[solution.choice[p]].name
+                for p in set(partners.values()) if sg.nodes[p].name not in pins}
+        resolved = solve_strategy_graph(sg, {**pins, **kept}, restrictions={**given, **held}, memory_budget=memory_budget,
+                                        time_limit=time_limit)
+    except ValueError:  # the parameters' layouts cannot hold the state (a memory budget): keep the ILP's
+        return MethodSolution(solution, given)
+    return MethodSolution(resolved, {**given, **held, **{k: (v,) for k, v in kept.items()}})
+
+
+def _state_parameters(sg: StrategyGraph) -> dict[int, int]:
+    """Optimizer-state argument node -> the parameter argument node of its shape whose new value it feeds: a
+    parameter's new value read back through the update's ops (``node_weights`` below 1) that make it."""
+    assert sg.node_weights is not None
+    per_step = sg.node_weights < 1.0
+    producers: dict[int, list[int]] = {}
+    for e in sg.edges:
+        if e.consumer >= 0 and per_step[e.consumer]:
+            producers.setdefault(e.consumer, []).append(e.producer)
+    out: dict[int, int] = {}
+    for pos, vid in sg.aliases.items():
+        if sg.argument_kinds.get(vid) != "param" or vid not in sg.node_of_var or sg.outvars[pos] not in sg.node_of_var:
+            continue
+        param = sg.node_of_var[vid][0]
+        shape = sg.var_info[vid][0]
+        seen, todo = set(), [sg.node_of_var[sg.outvars[pos]][0]]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            var = sg.nodes[n].var
+            if var is not None:  # an argument: the update reads it
+                if sg.argument_kinds.get(var) == "optimizer_state" and sg.var_info[var][0] == shape:
+                    out.setdefault(n, param)
+                continue
+            todo.extend(producers.get(n, ()))
+    return out
 
 
 TIE_PERIODS = (1, 2)
@@ -117,7 +188,7 @@ def solve_tied(
             if sg.ties == 0:
                 break
             continue
-        if best is None or solved.solution.objective < best[1].solution.objective * (1 - 1e-9):
+        if best is None or solved.solution.minimised < best[1].solution.minimised * (1 - 1e-9):
             best = (sg, solved)
         if sg.ties == 0:  # nothing is tied: another period gives the same problem
             break
@@ -394,7 +465,7 @@ def shard_weight_update(
                                          time_limit=time_limit)
     except ValueError:
         return MethodSolution(solution, given)
-    if rewritten.objective > solution.objective * (1 + REWRITE_TOLERANCE) or (
+    if rewritten.minimised > solution.minimised * (1 + REWRITE_TOLERANCE) or (
         _bandwidth_seconds(sg, rewritten) > _bandwidth_seconds(sg, solution) * (1 + 1e-9)
     ):  # slower, or more bytes moved: the split update's gathers replaced no all-reduce
         return MethodSolution(solution, given)
@@ -430,10 +501,14 @@ def _reshardings(
 
 
 def _bandwidth_seconds(sg: StrategyGraph, solution: IntraOpSolution) -> float:
-    """Seconds a solution's collectives (its ops' and its reshardings') spend moving bytes, latency left out."""
-    collectives = [c for n, node in enumerate(sg.nodes) for c in node.strategies[solution.choice[n]].collectives]
-    collectives += [c for *_, cs in _reshardings(sg, solution.choice) for c in cs]
-    return sum(c.cost - sg.mesh.group(c.axes)[1] for c in collectives)
+    """Seconds a solution's collectives (its ops' and its reshardings') spend moving bytes, latency left out,
+    weighted as the ILP weighs their costs (``StrategyGraph.node_weights``: a stage's update once per step)."""
+    w = sg.node_weights if sg.node_weights is not None else np.ones(len(sg.nodes))
+    collectives = [(c, w[n]) for n, node in enumerate(sg.nodes) for c in node.strategies[solution.choice[n]].collectives]
+    for e, _, _, cs in _reshardings(sg, solution.choice):
+        ends = [n for n in (e.producer, e.consumer if e.consumer >= 0 else e.operand) if n >= 0]
+        collectives += [(c, min(w[n] for n in ends)) for c in cs]
+    return sum((c.cost - sg.mesh.group(c.axes)[1]) * weight for c, weight in collectives)
 
 
 def make_plan(

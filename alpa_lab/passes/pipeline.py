@@ -50,7 +50,7 @@ from alpa_lab.passes.inter_op import (
     stage_dp_uniform,
 )
 from alpa_lab.passes.intra_op import (
-    StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph,
+    StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph, weighted_by_microbatch,
 )
 from alpa_lab.passes.methods import (
     AXIS_SYMMETRIC_METHODS, TIE_PERIODS, MethodError, make_plan, method_restrictions, solve_tied,
@@ -173,9 +173,11 @@ class PipelineProblem:
     pieces: dict[tuple[int, int], Subgraph] = field(default_factory=dict)
     """layers [start, end) -> that stage's program (cut once; plans, runtime and views share it)."""
     stage_graphs: dict[tuple, StrategyGraph] = field(default_factory=dict)
-    """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP."""
+    """(layers, mesh costs, tie period) -> its intra-op problem: a pin re-solves only the ILP; (..., micro-batches)
+    -> that problem weighted for a step of that many micro-batches (``weighted_by_microbatch``), what stages solve."""
     stage_solutions: dict[tuple, tuple] = field(default_factory=dict)
-    """(layers, mesh costs, method, pins, forced batch axis) -> (tie period, solution): a stage placed elsewhere reuses it"""
+    """(layers, mesh costs, method, pins, forced batch axis, micro-batches) -> (tie period, solution): a stage placed
+    elsewhere reuses it"""
     stage_twins: dict[tuple, tuple[int, int]] = field(default_factory=dict)
     """(layer keys of a stage, mesh costs, tie period) -> the first layers [start, end) built so: a stage of
     equal layers elsewhere in the stack is that problem renamed (``intra_op.relabel``)"""
@@ -408,10 +410,15 @@ class PipelineProblem:
         return frozenset(v for v in self.slicing.accumulated if v not in stacked and is_inexact(self.graph.vars[v].dtype))
 
     def stage_graph(
-        self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1
+        self, layers: tuple[int, int], submesh: Shape, logical: Shape, device_ids: tuple[int, ...], tie_period: int = 1,
+        microbatches: int = 1,
     ) -> StrategyGraph:
-        """The intra-op problem of the stage holding ``layers`` on ``device_ids`` seen as ``logical`` (cached)."""
+        """The intra-op problem of the stage holding ``layers`` on ``device_ids`` seen as ``logical`` (cached), for a
+        step of ``microbatches``: its update weighs 1 / ``microbatches`` in the ILP (``weighted_by_microbatch``)."""
         mesh = self.mesh(submesh, logical, device_ids)
+        if microbatches > 1:
+            sg = self._weighted(layers, self.stage_graph(layers, submesh, logical, device_ids, tie_period), microbatches)
+            return sg if sg.mesh == mesh else dataclasses.replace(sg, mesh=mesh)
         # keyed by the mesh's costs, not its devices: one stage placed on other hosts is the same problem
         key = (layers, cost_signature(mesh), tie_period)
         sg = self.stage_graphs.get(key)
@@ -429,6 +436,32 @@ class PipelineProblem:
             if self.reuse:
                 self.stage_twins.setdefault(self._twin_key(layers, cost_signature(mesh), tie_period), layers)
         return sg if sg.mesh == mesh else dataclasses.replace(sg, mesh=mesh)
+
+    def _weighted(self, layers: tuple[int, int], sg: StrategyGraph, microbatches: int) -> StrategyGraph:
+        """``sg`` (the stage of ``layers``, unweighted) weighted for ``microbatches`` (cached; a renamed twin takes its
+        twin's weighted costs, as it took its unweighted ones)."""
+        signature = cost_signature(sg.mesh)
+        key = (layers, signature, sg.tie_period, microbatches)
+        found = self.stage_graphs.get(key)
+        if found is None:
+            twin = self.stage_twins.get(self._twin_key(layers, signature, sg.tie_period)) if self.reuse else None
+            built = self.stage_graphs.get((twin, signature, sg.tie_period, microbatches)) if twin not in (None, layers) else None
+            if built is not None and built.plain_cost_graph is sg.cost_graph:
+                found = dataclasses.replace(sg, cost_graph=built.cost_graph, plain_cost_graph=sg.cost_graph,
+                                            node_weights=built.node_weights)
+            else:
+                found = weighted_by_microbatch(sg, self.update_nodes(sg), microbatches)
+            self.stage_graphs[key] = found
+        return found
+
+    def update_nodes(self, sg: StrategyGraph) -> list[int]:
+        """The nodes of a stage's problem that run once per step: its update's ops."""
+        return [n for n, node in enumerate(sg.nodes) if node.op_index is not None and self.phase_of_op.get(node.name) == APPLY]
+
+    @functools.cached_property
+    def phase_of_op(self) -> dict[str, str]:
+        """op name -> its phase (``ProgramSlicing.phase``): a stage's program names its ops as the whole program does."""
+        return {op.name: self.slicing.phase[op.index] for op in self.graph.ops}
 
     def _twin_key(self, layers: tuple[int, int], signature: LogicalMesh, tie_period: int) -> tuple:
         return (self.layer_keys[layers[0] : layers[1]], layers[1] == self.slicing.num_layers, signature, tie_period)
@@ -725,7 +758,7 @@ class PipelineProblem:
         graphs = []
         for st in plan.stages:
             period = int(st.plan.solver.get("tie_period", 1))
-            sg = self.stage_graph(st.layers, st.submesh_shape, st.logical_shape, st.device_ids, period)
+            sg = self.stage_graph(st.layers, st.submesh_shape, st.logical_shape, st.device_ids, period, plan.num_microbatches)
             if sg.fingerprint != st.plan.fingerprint:
                 raise PlanFormatError(
                     f"stage {st.index}'s plan (layers {st.layers[0]}..{st.layers[1] - 1}) belongs to another program "
@@ -747,7 +780,7 @@ class PipelineProblem:
                 forced = -1 if st.plan.batch_mesh_axis is None else st.plan.batch_mesh_axis
                 self.stage_batch_axes[(st.layers, st.submesh_shape, st.logical_shape)] = forced
             key = (st.layers, st.logical_shape, st.device_ids, st.plan.method, tuple(sorted(dict(st.plan.pins).items())),
-                   st.plan.batch_mesh_axis)
+                   st.plan.batch_mesh_axis, plan.num_microbatches)
             if st.plan.batch_mesh_axis is not None:  # as _plan_stage solved it: a pin on the stage's plan keeps it
                 sg = dataclasses.replace(sg, batch_mesh_axis=st.plan.batch_mesh_axis)
             if not st.plan.weight_update_sharding:
@@ -820,7 +853,9 @@ def _plan_stage(
     device_ids: tuple[int, ...],
     method: str,
     pins: Mapping[str, str],
+    microbatches: int = 1,
 ) -> Plan:
+    """The plan of one stage in a step of ``microbatches`` (its ILP weighs the update once per step: ``stage_graph``)."""
     method = problem.stage_methods.get((layers, submesh, logical), method) if method == "alpa" else method
     # a memory-saving layout (Megatron, ZeRO-3) fixes where the batch goes itself (``method_restrictions``)
     axis = problem.stage_axis(layers, submesh, logical) if method == "alpa" else None
@@ -830,30 +865,29 @@ def _plan_stage(
         ops = problem.slicing.ops_of(range(*layers))
         names = {graph.ops[i].name for i in ops} | {graph.vars[v].name for i in ops for v in graph.ops[i].inputs}
         mine = {k: v for k, v in pins.items() if k in names}
-    key = (layers, logical, device_ids, method, tuple(sorted(mine.items())), axis)
+    key = (layers, logical, device_ids, method, tuple(sorted(mine.items())), axis, microbatches)
     if key not in problem.stage_plans:
         t0 = time.perf_counter()
         # the same stage placed on other devices with the same links: the same solution
         signature = cost_signature(problem.mesh(submesh, logical, device_ids))
-        same = (layers, signature, method, key[-2], axis)
+        same = (layers, signature, method, key[-3], axis, microbatches)
 
         def stage_problem(period: int) -> StrategyGraph:
-            sg = problem.stage_graph(layers, submesh, logical, device_ids, period)
+            sg = problem.stage_graph(layers, submesh, logical, device_ids, period, microbatches)
             if not problem.weight_update_sharding:
                 sg = dataclasses.replace(sg, weight_update_sharding=False)
             return sg if axis is None else dataclasses.replace(sg, batch_mesh_axis=axis)
 
         twin = None
         if same not in problem.stage_solutions and not mine and axis is None:
-            twin = _twin_solution(problem, layers, signature, method)
+            twin = _twin_solution(problem, layers, signature, method, microbatches)
         if same in problem.stage_solutions:
             period, solved = problem.stage_solutions[same]
             sg = stage_problem(period)
         elif twin is not None:  # equal layers elsewhere in the stack: the same ILP, its solution renamed
-            sg, solved = twin[0], twin[1]
-            sg = sg if sg.mesh == problem.mesh(submesh, logical, device_ids) else dataclasses.replace(
-                sg, mesh=problem.mesh(submesh, logical, device_ids))
-            problem.stage_solutions[same] = (sg.tie_period, solved)
+            period, solved = twin
+            sg = stage_problem(period)
+            problem.stage_solutions[same] = (period, solved)
         else:
             sg, solved = solve_tied(stage_problem, method, mine)
             problem.stage_solutions[same] = (sg.tie_period, solved)
@@ -866,17 +900,20 @@ def _plan_stage(
     return problem.stage_plans[key]
 
 
-def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature: LogicalMesh, method: str) -> tuple | None:
-    """(problem, solution) of ``layers`` taken from a solved stage of equal layers on an equal mesh, if any.
+def _twin_solution(
+    problem: PipelineProblem, layers: tuple[int, int], signature: LogicalMesh, method: str, microbatches: int
+) -> tuple | None:
+    """(tie period, solution) of ``layers`` taken from a solved stage of equal layers on an equal mesh, if any.
 
     The solution chooses per group of the ILP, and a renamed problem (``relabel``) has the same
     groups and costs, so it is the solution of this stage too (at the tie period it was found at).
     """
     for period in TIE_PERIODS:
         twin = problem.stage_twins.get(problem._twin_key(layers, signature, period))
-        if twin is None or twin == layers or (twin, signature, method, (), None) not in problem.stage_solutions:
+        solved_as = (twin, signature, method, (), None, microbatches)
+        if twin is None or twin == layers or solved_as not in problem.stage_solutions:
             continue
-        found_period, solved = problem.stage_solutions[(twin, signature, method, (), None)]
+        found_period, solved = problem.stage_solutions[solved_as]
         if found_period != period:
             continue
         sg = problem.stage_graphs.get((layers, signature, period)) or problem._twin_graph(layers, signature, period)
@@ -887,7 +924,7 @@ def _twin_solution(problem: PipelineProblem, layers: tuple[int, int], signature:
             name = {a.name: b.name for a, b in zip(built.nodes, sg.nodes)}
             rewrites = tuple(f"{name[r.split(': ', 1)[0]]}: {r.split(': ', 1)[1]}" for r in solved.rewrites)
             restrictions = {name[k]: v for k, v in solved.restrictions.items()}
-            return sg, dataclasses.replace(solved, restrictions=restrictions, rewrites=rewrites)
+            return period, dataclasses.replace(solved, restrictions=restrictions, rewrites=rewrites)
     return None
 
 
@@ -1000,7 +1037,7 @@ def plan_stages(
     results = []
     for i, (layers, submesh, logical, devices) in enumerate(stages):
         try:
-            plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}))
+            plan = _plan_stage(problem, layers, submesh, logical, devices, method, dict(pins or {}), num_microbatches)
         except PinError as exc:  # a pin made on another mesh: say where the stages put the op
             raise PinError(
                 f"stage {i} (layers {layers[0]}-{layers[1] - 1}) on a {logical[0]}x{logical[1]} logical mesh: {exc}; unpin "
