@@ -13,6 +13,7 @@ Oracles, none of them the module's own tiling code:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -171,6 +172,34 @@ def test_hand_computed_cases():
     # a scalar, replicated on 1x2 -> on devices (1, 2): device 1 has it, device 2 gets it
     r = cross_mesh_resharding((), "float32", "-", (1, 2), (0, 1), "-", (2, 1), (1, 2))
     assert r.total_bytes == 4 and r.tasks[0].assignment == ((1, 1), (0, 2))
+
+
+def test_a_transfer_between_hosts_gets_the_hosts_network_link_where_devices_share_one_nic():
+    """A p3.16xlarge has one 25 Gbit/s NIC for its 8 V100s (AWS's figure). A collective across hosts sends from all
+    8 at once, each at an eighth of it (the mesh's beta: unchanged); one transfer between two hosts' stages has the
+    whole link: 100 MB in 32 ms, not 256 ms. Presets whose devices have their own NICs (DGX) and local or calibrated
+    clusters (whose calibration measures one transfer) keep one figure for both."""
+    from alpa_lab.passes.pipeline import link_bandwidths
+
+    p3 = al.ClusterSpec.preset("p3.16xlarge", hosts=2)
+    nic = 25e9 / 8
+    assert p3.host_link == pytest.approx(nic) and p3.inter_host_bandwidth == pytest.approx(nic / 8)
+    assert p3.logical_mesh((2, 8)).beta[0] == pytest.approx(8 / nic)  # a collective's devices share the NIC
+    r = cross_mesh_resharding((25_000_000,), "float32", "S1", (1, 8), tuple(range(8)), "S1", (1, 8), tuple(range(8, 16)),
+                              devices_per_host=8)
+    assert r.inter_host_bytes(8) == 100_000_000
+    assert r.cost(p3) == pytest.approx(100e6 / nic + p3.inter_host_latency)
+
+    class Placed:  # two stages' devices, as a placed stage gives them
+        def __init__(self, ids):
+            self.device_ids = ids
+
+    assert link_bandwidths(p3, [Placed((0, 1)), Placed((2, 3)), Placed((8, 9))]) == [p3.intra_host_bandwidth, p3.host_link]
+    for c in (al.ClusterSpec.preset("dgx-a100", hosts=2), al.ClusterSpec.local(2, 4)):
+        assert c.host_link == c.inter_host_bandwidth and "host_link_bandwidth" not in c.to_dict()
+    assert al.ClusterSpec(**p3.to_dict()) == p3  # a plan's record of its cluster keeps the link
+    with pytest.raises(al.ClusterError, match="host_link_bandwidth must be positive"):
+        dataclasses.replace(p3, host_link_bandwidth=0.0)
 
 
 def test_the_greedy_prefers_a_sender_on_the_receivers_host_and_balances_load():

@@ -59,6 +59,12 @@ class ClusterSpec:
     sum_overhead: float = 0.0
     """seconds each tensor summed over the micro-batches costs beyond an op's (its own kernel and result in the
     sums program, ``runtime.accumulate``; 0 for the presets, measured by ``calibrate``)"""
+    host_link_bandwidth: float | None = None
+    """bytes/s of one host's network link: what a transfer between two hosts' meshes can use (the cross-mesh
+    model's host link, MLSys'23; ``host_link``). None: ``inter_host_bandwidth``, right where each device has its
+    own NIC and for a calibration, which measures one transfer. Where a host's devices share one NIC (the p3
+    presets), ``inter_host_bandwidth`` is a device's share, right for a collective in which every device of a host
+    sends at once, and ``devices_per_host`` times too slow for one transfer between stages."""
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -76,6 +82,13 @@ class ClusterSpec:
         ):
             if getattr(self, f) <= 0:
                 raise ClusterError(f"ClusterSpec.{f} must be positive, got {getattr(self, f)}")
+        if self.host_link_bandwidth is not None and not self.host_link_bandwidth > 0:
+            raise ClusterError(f"ClusterSpec.host_link_bandwidth must be positive (or None), got {self.host_link_bandwidth}")
+
+    @property
+    def host_link(self) -> float:
+        """Bytes/s a transfer between meshes on two hosts gets (``host_link_bandwidth``)."""
+        return self.host_link_bandwidth or self.inter_host_bandwidth
 
     @property
     def num_devices(self) -> int:
@@ -118,9 +131,11 @@ class ClusterSpec:
             raise ClusterError(f"platform must be a JAX platform name such as 'cpu' or 'gpu', got {platform!r}")
         platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform.lower(), platform.lower())  # as Device.platform names it
         simulated = platform == "cpu"
+        # one figure for the network (no host link): a calibration measures one transfer between hosts as
+        # inter_host_bandwidth, and an uncalibrated local cluster plans as a calibrated one would be read
         base = replace(
             PRESETS["p3.8xlarge"], hosts=hosts, devices_per_host=devices_per_host, simulated=simulated,
-            name=f"{'local' if simulated else platform}:{hosts}x{devices_per_host}",
+            name=f"{'local' if simulated else platform}:{hosts}x{devices_per_host}", host_link_bandwidth=None,
         )
         if calibrated is False:
             return base
@@ -233,7 +248,10 @@ class ClusterSpec:
         return replace(PRESETS[name], hosts=hosts, name=f"{name}:{hosts}")
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """The fields, as plans record their cluster; an unset host link is left out (a plan saved before it
+        existed names the same cluster)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__
+                if not (k == "host_link_bandwidth" and self.host_link_bandwidth is None)}
 
     # ----- logical meshes --------------------------------------------------------------
     def logical_mesh_shapes(self) -> list[tuple[int, int]]:
@@ -398,7 +416,10 @@ class LogicalMesh:
         }
 
 
-def _preset(name: str, devices: int, intra_gbps: float, inter_gbps: float, tflops: float, mem_gb: float, hbm_gbps: float) -> ClusterSpec:
+def _preset(
+    name: str, devices: int, intra_gbps: float, inter_gbps: float, tflops: float, mem_gb: float, hbm_gbps: float,
+    host_gbps: float | None = None,
+) -> ClusterSpec:
     return ClusterSpec(
         hosts=1,
         devices_per_host=devices,
@@ -410,16 +431,18 @@ def _preset(name: str, devices: int, intra_gbps: float, inter_gbps: float, tflop
         device_memory=mem_gb * GB,
         memory_bandwidth=hbm_gbps * GB,
         name=name,
+        host_link_bandwidth=None if host_gbps is None else host_gbps * GB,
     )
 
 
 # Bandwidths are per-device bus bandwidths in GB/s (NVLink within a host, network between
-# hosts shared by the host's devices); FLOP/s are half-precision tensor-core peaks.
+# hosts shared by the host's devices), and the host's network link where its devices share one NIC;
+# FLOP/s are half-precision tensor-core peaks.
 PRESETS: dict[str, ClusterSpec] = {
     # 8 x V100 16 GB, NVLink (~130 GB/s bus), 25 Gbit/s network (the Alpa paper's testbed).
-    "p3.16xlarge": _preset("p3.16xlarge", 8, 130.0, 25 / 8 / 8, 125.0, 16.0, 900.0),
+    "p3.16xlarge": _preset("p3.16xlarge", 8, 130.0, 25 / 8 / 8, 125.0, 16.0, 900.0, host_gbps=25 / 8),
     # 4 x V100 16 GB, NVLink, 10 Gbit/s network.
-    "p3.8xlarge": _preset("p3.8xlarge", 4, 130.0, 10 / 8 / 4, 125.0, 16.0, 900.0),
+    "p3.8xlarge": _preset("p3.8xlarge", 4, 130.0, 10 / 8 / 4, 125.0, 16.0, 900.0, host_gbps=10 / 8),
     # 8 x A100 80 GB, NVLink3 (~300 GB/s bus), 8 x 200 Gbit/s InfiniBand.
     "dgx-a100": _preset("dgx-a100", 8, 300.0, 25.0, 312.0, 80.0, 2039.0),
     # 8 x H100 80 GB, NVLink4 (~450 GB/s bus), 8 x 400 Gbit/s InfiniBand.

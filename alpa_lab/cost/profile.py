@@ -148,6 +148,7 @@ class Profile:
             sum_overhead=base.sum_overhead * a,
             intra_host_bandwidth=base.intra_host_bandwidth / b,
             inter_host_bandwidth=base.inter_host_bandwidth / b,
+            host_link_bandwidth=None if base.host_link_bandwidth is None else base.host_link_bandwidth / b,
             intra_host_latency=base.intra_host_latency * b,
             inter_host_latency=base.inter_host_latency * b,
             task_overhead=f.task_overhead,

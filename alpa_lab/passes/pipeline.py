@@ -524,7 +524,7 @@ class PipelineProblem:
     def _send_bandwidth(self, submesh: Shape) -> float:
         c = self.cluster
         whole_hosts = submesh[1] == c.devices_per_host and c.hosts > 1
-        return c.inter_host_bandwidth if whole_hosts else c.intra_host_bandwidth
+        return c.host_link if whole_hosts else c.intra_host_bandwidth
 
     def exchanged_bytes(self, start: int, end: int) -> float:
         """Per micro-batch, the heavier direction of what the stage of layers [start, end) exchanges
@@ -1199,9 +1199,9 @@ def stage_reads(problem: PipelineProblem) -> tuple[np.ndarray, ...]:
 
 def link_bandwidths(cluster: ClusterSpec, stages: Sequence[Any]) -> list[float]:
     """Per boundary i (placed stage i to i + 1): the link between them, inside a host (its stages' devices
-    on the same hosts) or between hosts."""
+    on the same hosts) or between hosts (a host's network link, ``ClusterSpec.host_link``)."""
     hosts = [{d // cluster.devices_per_host for d in st.device_ids} for st in stages]
-    return [cluster.intra_host_bandwidth if a == b else cluster.inter_host_bandwidth for a, b in zip(hosts, hosts[1:])]
+    return [cluster.intra_host_bandwidth if a == b else cluster.host_link for a, b in zip(hosts, hosts[1:])]
 
 
 def _measured(times: Mapping[tuple[int, str], float], stages: Sequence[StageResult], split: bool) -> list[StageResult]:

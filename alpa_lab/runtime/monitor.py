@@ -271,6 +271,6 @@ def pipeline_parts(plan: Any, transfer_bytes: Mapping[int, Sequence[int]] | None
     one_host = len(set().union(*hosts.values())) == 1
     for mesh, sizes in (transfer_bytes or {}).items():
         if sizes:
-            bw = cluster.intra_host_bandwidth if one_host else cluster.inter_host_bandwidth
+            bw = cluster.intra_host_bandwidth if one_host else cluster.host_link
             out[(mesh, "TRANSFER", "")] = CostParts(communication=float(np.median(sizes)) / bw, transfers=1.0)
     return out

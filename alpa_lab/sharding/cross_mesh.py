@@ -26,7 +26,7 @@ Two ways to deliver a unit task (``method``):
 Load balance and order (the paper's sec. 3.2, "sec. 4.2" of its outline): the network
 transfers (a unit task into one receiving host) are scheduled on host links. A host's
 send side and its receive side each carry one transfer at a time (one NIC, full duplex);
-a transfer takes ``nbytes / inter_host_bandwidth`` and starts when both its sender host's
+a transfer takes ``nbytes / host_link`` (``ClusterSpec.host_link``) and starts when both its sender host's
 send side and its receiver host's receive side are free. The pipelined intra-host forwarding
 of a broadcast is hidden under the network transfer (the paper's ``t + A t / K`` with
 K >> A, i.e. about one send). Sender hosts and the order are chosen to minimise the
@@ -221,10 +221,10 @@ class CrossMeshResharding:
     def cost(self, cluster: ClusterSpec) -> float:
         """Seconds for the move under the paper's host-link model, plus one latency.
 
-        time = max(makespan / inter_host_bandwidth, intra-host time) + alpha: the network
+        time = max(makespan / host_link, intra-host time) + alpha: the network
         transfers run on host links as ``schedule`` orders them (a host link's send side and
-        receive side each carry one transfer at a time; ``inter_host_bandwidth`` is taken as
-        the bandwidth of one host link, as the paper's one-NIC host); the intra-host hops
+        receive side each carry one transfer at a time, at ``ClusterSpec.host_link``: the paper's
+        one-NIC host); the intra-host hops
         (broadcast chains, pipelined under the network transfer, and local sends) run on
         the devices' own fast links at the same time and are bound by the busiest device;
         alpha is the latency of the slowest kind of link used. A plan built with another
@@ -237,7 +237,7 @@ class CrossMeshResharding:
             return 0.0
         crosses = bool(self.schedule)
         alpha = cluster.inter_host_latency if crosses else cluster.intra_host_latency
-        return max(self.makespan / cluster.inter_host_bandwidth, self.intra_host_time(cluster)) + alpha
+        return max(self.makespan / cluster.host_link, self.intra_host_time(cluster)) + alpha
 
     def _replanned(self, devices_per_host: int) -> CrossMeshResharding:
         return cross_mesh_resharding(
