@@ -198,6 +198,11 @@ def test_a_transfer_between_hosts_gets_the_hosts_network_link_where_devices_shar
     for c in (al.ClusterSpec.preset("dgx-a100", hosts=2), al.ClusterSpec.local(2, 4)):
         assert c.host_link == c.inter_host_bandwidth and "host_link_bandwidth" not in c.to_dict()
     assert al.ClusterSpec(**p3.to_dict()) == p3  # a plan's record of its cluster keeps the link
+    # a calibration measures one transfer between hosts as inter_host_bandwidth: a preset's link goes with it
+    from alpa_lab.cost.calibrate import Calibration
+
+    measured = Calibration("gpu", 16, 1e14, 9e11, 1e-6, 1e-5, 1e11, 1e-6, inter_host_bandwidth=1e10).apply(p3)
+    assert measured.host_link == measured.inter_host_bandwidth == 1e10
     with pytest.raises(al.ClusterError, match="host_link_bandwidth must be positive"):
         dataclasses.replace(p3, host_link_bandwidth=0.0)
 

@@ -589,8 +589,9 @@ def test_a_stage_plan_weighs_its_update_once_per_step():
     them so (``intra_op.weighted_by_microbatch``). The oracles: a step's time by the stage's per-phase figures
     (M x (forward + backward) + update, ``stage_parts``), for the plan made for M micro-batches against the plan that
     weighs the update like a micro-batch (the ILP as it was); and the ILP's minimised objective recomputed here, op
-    by op and edge by edge, from the strategies and ``resharding`` (1 / M on the update's ops and on the reshardings
-    into them or out of them into the returned state's layout; each cost once for the plan's objective).
+    by op and edge by edge, from the strategies and ``resharding`` (1 / M on the update's ops, the ops of phase
+    APPLY, on the reshardings into them and on those of new state into its argument's layout; each cost once for the
+    plan's objective); and ``explain`` of an update op: its chosen strategy is the cheapest as the ILP weighed them.
 
     The case is a transformer pair on 4 hosts of 8 V100s (shape-only, no weights): weighed like a micro-batch, the
     update's gather of new weights made the ILP keep the weights split and gather them every micro-batch (GPT-3
@@ -627,6 +628,12 @@ def test_a_stage_plan_weighs_its_update_once_per_step():
         chosen = sg.nodes[consumer].strategies[solved.choice[consumer]]
         dst = chosen.output_specs[0] if e.consumer < 0 else chosen.input_specs[e.operand]
         cost = resharding(src, dst, *sg.var_info[e.var], sg.mesh).cost
-        minimised, plain = minimised + min(weight[e.producer], weight[consumer]) * cost, plain + cost
+        # into the update runs with it; a new state into its argument's layout, once a step at its end
+        w = 1.0 / M if e.consumer < 0 else min(weight[e.producer], weight[consumer])
+        minimised, plain = minimised + w * cost, plain + cost
     assert solved.minimised == pytest.approx(minimised, rel=1e-9)
     assert solved.objective == pytest.approx(plain, rel=1e-9) and plan.objective == solved.objective
+    update_op = next(sg.nodes[n].name for n in sorted(update) if len(sg.nodes[n].strategies) > 1)
+    why = plan.explain(update_op)
+    chosen = next(a for a in why.alternatives if a.chosen)
+    assert all(chosen.total <= a.total * (1 + 1e-9) + 1e-12 for a in why.alternatives), why

@@ -103,7 +103,8 @@ class Calibration:
     runtime: str | None = None
 
     def apply(self, spec: ClusterSpec) -> ClusterSpec:
-        """``spec`` with the measured numbers in place of its own (hosts stay; memory where the backend reports none)."""
+        """``spec`` with the measured numbers in place of its own (hosts stay; memory where the backend reports none).
+        The network is one measured figure, one transfer between hosts: a preset's host link is dropped with it."""
         return replace(
             spec,
             device_flops=self.device_flops,
@@ -118,6 +119,7 @@ class Calibration:
             host_to_device_bandwidth=spec.host_to_device_bandwidth if not self.host_to_device_bandwidth else self.host_to_device_bandwidth,
             sum_overhead=spec.sum_overhead if self.sum_overhead is None else self.sum_overhead,
             device_memory=self.device_memory or spec.device_memory,
+            host_link_bandwidth=None,
             name=f"{spec.name} (calibrated)" if "calibrated" not in spec.name else spec.name,
         )
 

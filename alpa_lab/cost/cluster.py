@@ -248,8 +248,8 @@ class ClusterSpec:
         return replace(PRESETS[name], hosts=hosts, name=f"{name}:{hosts}")
 
     def to_dict(self) -> dict:
-        """The fields, as plans record their cluster; an unset host link is left out (a plan saved before it
-        existed names the same cluster)."""
+        """The fields, as plans record their cluster; an unset host link is left out (such a cluster records as it did
+        before the field existed; a p3 preset's plan saved before then reads back without its link)."""
         return {k: getattr(self, k) for k in self.__dataclass_fields__
                 if not (k == "host_link_bandwidth" and self.host_link_bandwidth is None)}
 

@@ -153,9 +153,12 @@ class StrategyGraph:
         )
 
     def explain(self, plan: Plan, op: str) -> Explanation:
-        """``Plan.explain``: every strategy of ``op`` with its cost, the rest of ``plan`` held fixed."""
+        """``Plan.explain``: every strategy of ``op`` with its cost, the rest of ``plan`` held fixed, weighed as the
+        ILP weighed them (a pipeline stage's update and what runs with it: 1 / micro-batches, ``node_weights``)."""
         sg = self
         n = sg.node_index(op)
+        w = sg.node_weights if sg.node_weights is not None else np.ones(len(sg.nodes))
+        step = float(w.min())
         node = sg.nodes[n]
         chosen = {o.name: o.strategy for o in plan.ops}
         choice = {i: sg.nodes[i].strategy_index(chosen[nd.name]) for i, nd in enumerate(sg.nodes)}
@@ -181,16 +184,17 @@ class StrategyGraph:
                 else:
                     continue
                 shape, itemsize = sg.var_info[e.var]
-                reshard += resharding(src, dst, shape, itemsize, sg.mesh).cost
+                weight = step if e.consumer < 0 else min(w[e.producer], w[e.consumer])
+                reshard += weight * resharding(src, dst, shape, itemsize, sg.mesh).cost
             for pos, dst in layouts.items():  # a result it makes, returned in a pinned layout; a state read back from it
                 v = sg.outvars[pos]
                 shape, itemsize = sg.var_info[v]
                 if sg.node_of_var[v][0] == n:
-                    reshard += resharding(s.output_specs[sg.node_of_var[v][1]], dst, shape, itemsize, sg.mesh).cost
+                    reshard += w[n] * resharding(s.output_specs[sg.node_of_var[v][1]], dst, shape, itemsize, sg.mesh).cost
                 alias = _alias_edge(sg, pos)
                 if alias is not None and alias.operand == n:
-                    reshard += resharding(dst, s.output_specs[0], shape, itemsize, sg.mesh).cost
-            alts.append(Alternative(s.name, s.cost, reshard, j == choice[n]))
+                    reshard += step * resharding(dst, s.output_specs[0], shape, itemsize, sg.mesh).cost
+            alts.append(Alternative(s.name, float(w[n]) * s.cost, reshard, j == choice[n]))
         leader = sg.nodes[int(sg.group_of_node[n])].name
         return Explanation(plan.op(op), tuple(alts), leader)
 
@@ -333,6 +337,13 @@ def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
     )
 
 
+def weighted_nodes(num_nodes: int, per_step: Collection[int], microbatches: int) -> np.ndarray:
+    """``StrategyGraph.node_weights`` of a stage: 1 / ``microbatches`` on the ``per_step`` nodes, 1 elsewhere."""
+    weights = np.ones(num_nodes)
+    weights[np.fromiter(per_step, dtype=np.int64)] = 1.0 / microbatches
+    return weights
+
+
 def weighted_by_microbatch(sg: StrategyGraph, per_step: Collection[int], microbatches: int) -> StrategyGraph:
     """``sg`` as a pipeline stage's problem: its ``per_step`` nodes (the update) run once per step, the rest once
     per micro-batch, so the ILP weighs the update's costs (and the reshardings into it) 1 / ``microbatches``.
@@ -346,8 +357,7 @@ def weighted_by_microbatch(sg: StrategyGraph, per_step: Collection[int], microba
     if microbatches <= 1 or not per_step:
         return sg if sg.node_weights is None else dataclasses.replace(
             sg, cost_graph=sg.plain_cost_graph, plain_cost_graph=None, node_weights=None)
-    weights = np.ones(len(sg.nodes))
-    weights[np.fromiter(per_step, dtype=np.int64)] = 1.0 / microbatches
+    weights = weighted_nodes(len(sg.nodes), per_step, microbatches)
     if sg.node_weights is not None and np.array_equal(weights, sg.node_weights):
         return sg
     weighted = _cost_graph(sg.var_info, sg.mesh, list(sg.nodes), list(sg.edges), sg.group_of_node, list(sg.member_map),
@@ -588,8 +598,9 @@ def _cost_graph(
     weights: np.ndarray | None = None,
 ) -> CostGraph:
     """Costs per group (sum over members) and resharding matrices between groups; with ``weights``, each node's
-    costs times its weight and each resharding's times the lighter of its two ends' (one into the update, or out
-    of it into a returned weight's layout, runs with the update)."""
+    costs times its weight, each resharding's times the lighter of its two ends' (one into the update runs with
+    it), and a new state's into its argument's layout times the lightest weight (once a step, at its end, whichever
+    op makes it: BatchNorm's statistics come from the forward)."""
     gindex = group_index(group_of_node)
     groups = list(gindex)
     costs = [np.zeros(len(nodes[g].strategies)) for g in groups]
@@ -605,6 +616,7 @@ def _cost_graph(
         cost, mem = per_strategy[id(node.strategies)]
         costs[gi] += cost[member_map[n]] if weights is None or weights[n] == 1.0 else cost[member_map[n]] * weights[n]
         memory[gi] += mem[member_map[n]]
+    step = 1.0 if weights is None else float(weights.min())  # what runs once per step weighs this
     tables = _cache(_RESHARDING_TABLES, mesh)
     # kept per mesh across builds (a stage after its layers, a re-tie, the next candidate's stages):
     # keyed by the strategy tuples' ids, each entry holding the tuples so an id is never reused
@@ -635,8 +647,8 @@ def _cost_graph(
             hit = edge_tables[key] = (producer_strategies, consumer_strategies,
                                       _resharding_table(src, dst, shape, itemsize, mesh, tables))
         table = hit[2]
-        if weights is not None and min(weights[e.producer], weights[consumer]) != 1.0:
-            table = table * min(weights[e.producer], weights[consumer])
+        if weights is not None and (alias or min(weights[e.producer], weights[consumer]) != 1.0):
+            table = table * (step if alias else min(weights[e.producer], weights[consumer]))
         gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
         rows, cols = member_map[e.producer], member_map[consumer]
         if gu == gv:  # both ends in one group: its r-th strategy pays R[rows[r], cols[r]]
@@ -813,7 +825,7 @@ def _with_output_layouts(
         if e is None:
             continue
         arg = e.operand
-        weight = 1.0 if weights is None else float(min(weights[e.producer], weights[arg]))
+        weight = 1.0 if weights is None else float(weights.min())  # once a step, as _cost_graph weighs an alias edge
         table = weight * np.array([[resharding(a.output_specs[e.output], b.output_specs[0], shape, itemsize, sg.mesh).cost
                                     for b in sg.nodes[arg].strategies] for a in sg.nodes[e.producer].strategies])
         rows, cols = sg.member_map[e.producer], sg.member_map[arg]

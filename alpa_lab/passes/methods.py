@@ -117,14 +117,15 @@ def update_follows_parameters(
 
 def _state_parameters(sg: StrategyGraph) -> dict[int, int]:
     """Optimizer-state argument node -> the parameter argument node of its shape whose new value it feeds: a
-    parameter's new value read back through the update's ops (``node_weights`` below 1) that make it."""
+    parameter's new value read back through the update's ops (``node_weights`` below 1) that make it. A state that
+    feeds several parameters' new values (a global norm of the updates) is held to none."""
     assert sg.node_weights is not None
     per_step = sg.node_weights < 1.0
     producers: dict[int, list[int]] = {}
     for e in sg.edges:
         if e.consumer >= 0 and per_step[e.consumer]:
             producers.setdefault(e.consumer, []).append(e.producer)
-    out: dict[int, int] = {}
+    found: dict[int, set[int]] = {}
     for pos, vid in sg.aliases.items():
         if sg.argument_kinds.get(vid) != "param" or vid not in sg.node_of_var or sg.outvars[pos] not in sg.node_of_var:
             continue
@@ -139,10 +140,10 @@ def _state_parameters(sg: StrategyGraph) -> dict[int, int]:
             var = sg.nodes[n].var
             if var is not None:  # an argument: the update reads it
                 if sg.argument_kinds.get(var) == "optimizer_state" and sg.var_info[var][0] == shape:
-                    out.setdefault(n, param)
+                    found.setdefault(n, set()).add(param)
                 continue
             todo.extend(producers.get(n, ()))
-    return out
+    return {state: next(iter(params)) for state, params in found.items() if len(params) == 1}
 
 
 TIE_PERIODS = (1, 2)
@@ -505,9 +506,9 @@ def _bandwidth_seconds(sg: StrategyGraph, solution: IntraOpSolution) -> float:
     weighted as the ILP weighs their costs (``StrategyGraph.node_weights``: a stage's update once per step)."""
     w = sg.node_weights if sg.node_weights is not None else np.ones(len(sg.nodes))
     collectives = [(c, w[n]) for n, node in enumerate(sg.nodes) for c in node.strategies[solution.choice[n]].collectives]
-    for e, _, _, cs in _reshardings(sg, solution.choice):
-        ends = [n for n in (e.producer, e.consumer if e.consumer >= 0 else e.operand) if n >= 0]
-        collectives += [(c, min(w[n] for n in ends)) for c in cs]
+    for e, _, _, cs in _reshardings(sg, solution.choice):  # a new state's, into its argument's layout: once a step
+        weight = float(w.min()) if e.consumer < 0 else min(w[n] for n in (e.producer, e.consumer) if n >= 0)
+        collectives += [(c, weight) for c in cs]
     return sum((c.cost - sg.mesh.group(c.axes)[1]) * weight for c, weight in collectives)
 
 

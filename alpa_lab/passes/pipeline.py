@@ -51,6 +51,7 @@ from alpa_lab.passes.inter_op import (
 )
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph, weighted_by_microbatch,
+    weighted_nodes,
 )
 from alpa_lab.passes.methods import (
     AXIS_SYMMETRIC_METHODS, TIE_PERIODS, MethodError, make_plan, method_restrictions, solve_tied,
@@ -446,7 +447,8 @@ class PipelineProblem:
         if found is None:
             twin = self.stage_twins.get(self._twin_key(layers, signature, sg.tie_period)) if self.reuse else None
             built = self.stage_graphs.get((twin, signature, sg.tie_period, microbatches)) if twin not in (None, layers) else None
-            if built is not None and built.plain_cost_graph is sg.cost_graph:
+            if (built is not None and built.plain_cost_graph is sg.cost_graph
+                    and np.array_equal(built.node_weights, weighted_nodes(len(sg.nodes), self.update_nodes(sg), microbatches))):
                 found = dataclasses.replace(sg, cost_graph=built.cost_graph, plain_cost_graph=sg.cost_graph,
                                             node_weights=built.node_weights)
             else:
