@@ -158,7 +158,6 @@ class StrategyGraph:
         sg = self
         n = sg.node_index(op)
         w = sg.node_weights if sg.node_weights is not None else np.ones(len(sg.nodes))
-        step = float(w.min())
         node = sg.nodes[n]
         chosen = {o.name: o.strategy for o in plan.ops}
         choice = {i: sg.nodes[i].strategy_index(chosen[nd.name]) for i, nd in enumerate(sg.nodes)}
@@ -184,8 +183,7 @@ class StrategyGraph:
                 else:
                     continue
                 shape, itemsize = sg.var_info[e.var]
-                weight = step if e.consumer < 0 else min(w[e.producer], w[e.consumer])
-                reshard += weight * resharding(src, dst, shape, itemsize, sg.mesh).cost
+                reshard += resharding_weight(sg.node_weights, e) * resharding(src, dst, shape, itemsize, sg.mesh).cost
             for pos, dst in layouts.items():  # a result it makes, returned in a pinned layout; a state read back from it
                 v = sg.outvars[pos]
                 shape, itemsize = sg.var_info[v]
@@ -193,7 +191,7 @@ class StrategyGraph:
                     reshard += w[n] * resharding(s.output_specs[sg.node_of_var[v][1]], dst, shape, itemsize, sg.mesh).cost
                 alias = _alias_edge(sg, pos)
                 if alias is not None and alias.operand == n:
-                    reshard += step * resharding(dst, s.output_specs[0], shape, itemsize, sg.mesh).cost
+                    reshard += resharding_weight(sg.node_weights, alias) * resharding(dst, s.output_specs[0], shape, itemsize, sg.mesh).cost
             alts.append(Alternative(s.name, float(w[n]) * s.cost, reshard, j == choice[n]))
         leader = sg.nodes[int(sg.group_of_node[n])].name
         return Explanation(plan.op(op), tuple(alts), leader)
@@ -335,6 +333,17 @@ def retie(sg: StrategyGraph, graph: OpGraph, tie_period: int) -> StrategyGraph:
         sg, group_of_node=group_of_node, cost_graph=cost_graph, plain_cost_graph=plain, tie_period=tie_period, ties=ties,
         build_seconds=time.perf_counter() - t0,
     )
+
+
+def resharding_weight(weights: np.ndarray | None, e: OperandEdge) -> float:
+    """The weight of edge ``e``'s resharding in a weighted ILP (``StrategyGraph.node_weights``): the lighter of its two
+    ends' (one into the update runs with it); a new state's into its argument's layout, the lightest weight (once a
+    step, at its end, whichever op makes it: BatchNorm's statistics come from the forward)."""
+    if weights is None:
+        return 1.0
+    if e.consumer < 0:
+        return float(weights.min())
+    return float(min(weights[e.producer], weights[e.consumer]))
 
 
 def weighted_nodes(num_nodes: int, per_step: Collection[int], microbatches: int) -> np.ndarray:
@@ -598,9 +607,7 @@ def _cost_graph(
     weights: np.ndarray | None = None,
 ) -> CostGraph:
     """Costs per group (sum over members) and resharding matrices between groups; with ``weights``, each node's
-    costs times its weight, each resharding's times the lighter of its two ends' (one into the update runs with
-    it), and a new state's into its argument's layout times the lightest weight (once a step, at its end, whichever
-    op makes it: BatchNorm's statistics come from the forward)."""
+    costs times its weight and each resharding's times ``resharding_weight``."""
     gindex = group_index(group_of_node)
     groups = list(gindex)
     costs = [np.zeros(len(nodes[g].strategies)) for g in groups]
@@ -616,7 +623,6 @@ def _cost_graph(
         cost, mem = per_strategy[id(node.strategies)]
         costs[gi] += cost[member_map[n]] if weights is None or weights[n] == 1.0 else cost[member_map[n]] * weights[n]
         memory[gi] += mem[member_map[n]]
-    step = 1.0 if weights is None else float(weights.min())  # what runs once per step weighs this
     tables = _cache(_RESHARDING_TABLES, mesh)
     # kept per mesh across builds (a stage after its layers, a re-tie, the next candidate's stages):
     # keyed by the strategy tuples' ids, each entry holding the tuples so an id is never reused
@@ -647,8 +653,9 @@ def _cost_graph(
             hit = edge_tables[key] = (producer_strategies, consumer_strategies,
                                       _resharding_table(src, dst, shape, itemsize, mesh, tables))
         table = hit[2]
-        if weights is not None and (alias or min(weights[e.producer], weights[consumer]) != 1.0):
-            table = table * (step if alias else min(weights[e.producer], weights[consumer]))
+        weight = resharding_weight(weights, e)
+        if weight != 1.0:
+            table = table * weight
         gu, gv = gindex[int(group_of_node[e.producer])], gindex[int(group_of_node[consumer])]
         rows, cols = member_map[e.producer], member_map[consumer]
         if gu == gv:  # both ends in one group: its r-th strategy pays R[rows[r], cols[r]]
@@ -825,7 +832,7 @@ def _with_output_layouts(
         if e is None:
             continue
         arg = e.operand
-        weight = 1.0 if weights is None else float(weights.min())  # once a step, as _cost_graph weighs an alias edge
+        weight = resharding_weight(weights, e)
         table = weight * np.array([[resharding(a.output_specs[e.output], b.output_specs[0], shape, itemsize, sg.mesh).cost
                                     for b in sg.nodes[arg].strategies] for a in sg.nodes[e.producer].strategies])
         rows, cols = sg.member_map[e.producer], sg.member_map[arg]

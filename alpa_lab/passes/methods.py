@@ -26,8 +26,8 @@ import numpy as np
 from alpa_lab.graph.analysis import batch_dimension
 from alpa_lab.passes.ilp import ILP_TIME_LIMIT
 from alpa_lab.passes.intra_op import (
-    IntraOpSolution, StrategyGraph, group_choices, group_index, output_layout_edges, solve_strategy_graph,
-    split_output_pins,
+    IntraOpSolution, StrategyGraph, group_choices, group_index, output_layout_edges, resharding_weight,
+    solve_strategy_graph, split_output_pins,
 )
 from alpa_lab.plan import OpPlan, Plan, ReshardingPlan, TensorPlan
 from alpa_lab.sharding.resharding import resharding
@@ -73,10 +73,11 @@ def solve_method(
     solution = solve_strategy_graph(sg, pins, restrictions=restrictions, memory_budget=memory_budget, time_limit=time_limit)
     if method != "alpa":
         return MethodSolution(solution, restrictions)
-    if not sg.weight_update_sharding and sg.node_weights is not None:  # a pipeline stage's step (docstring below)
-        return update_follows_parameters(sg, solution, pins or {}, memory_budget, restrictions, time_limit=time_limit)
     if not sg.weight_update_sharding:
-        return MethodSolution(solution, restrictions)
+        if sg.node_weights is None:
+            return MethodSolution(solution, restrictions)
+        # a pipeline stage's step (update_follows_parameters says why)
+        return update_follows_parameters(sg, solution, pins or {}, memory_budget, restrictions, time_limit=time_limit)
     return shard_weight_update(sg, solution, pins or {}, memory_budget, restrictions, time_limit=time_limit)
 
 
@@ -506,9 +507,8 @@ def _bandwidth_seconds(sg: StrategyGraph, solution: IntraOpSolution) -> float:
     weighted as the ILP weighs their costs (``StrategyGraph.node_weights``: a stage's update once per step)."""
     w = sg.node_weights if sg.node_weights is not None else np.ones(len(sg.nodes))
     collectives = [(c, w[n]) for n, node in enumerate(sg.nodes) for c in node.strategies[solution.choice[n]].collectives]
-    for e, _, _, cs in _reshardings(sg, solution.choice):  # a new state's, into its argument's layout: once a step
-        weight = float(w.min()) if e.consumer < 0 else min(w[n] for n in (e.producer, e.consumer) if n >= 0)
-        collectives += [(c, weight) for c in cs]
+    for e, _, _, cs in _reshardings(sg, solution.choice):
+        collectives += [(c, resharding_weight(sg.node_weights, e)) for c in cs]
     return sum((c.cost - sg.mesh.group(c.axes)[1]) * weight for c, weight in collectives)
 
 

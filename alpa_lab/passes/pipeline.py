@@ -447,12 +447,13 @@ class PipelineProblem:
         if found is None:
             twin = self.stage_twins.get(self._twin_key(layers, signature, sg.tie_period)) if self.reuse else None
             built = self.stage_graphs.get((twin, signature, sg.tie_period, microbatches)) if twin not in (None, layers) else None
+            update = self.update_nodes(sg)
             if (built is not None and built.plain_cost_graph is sg.cost_graph
-                    and np.array_equal(built.node_weights, weighted_nodes(len(sg.nodes), self.update_nodes(sg), microbatches))):
+                    and np.array_equal(built.node_weights, weighted_nodes(len(sg.nodes), update, microbatches))):
                 found = dataclasses.replace(sg, cost_graph=built.cost_graph, plain_cost_graph=sg.cost_graph,
                                             node_weights=built.node_weights)
             else:
-                found = weighted_by_microbatch(sg, self.update_nodes(sg), microbatches)
+                found = weighted_by_microbatch(sg, update, microbatches)
             self.stage_graphs[key] = found
         return found
 
