@@ -9,7 +9,8 @@ eq. 1 ILP), skipped once a smaller graph took longer than the baseline limit.
 
 ``--mirrored 40 60 80`` instead times ``synthetic_mirrored_graph`` (a sub-mesh whose two axes cost alike: a
 loose LP bound, so CBC branches) with CBC branching on each node's strategy set (``BRANCH_ON_SETS``), against
-one variable at a time, its default, in the same run.
+one variable at a time, its default, in the same run. ``--mirrored ... --heuristics`` compares our setting of
+CBC's primal heuristics (off, ``CBC_HEURISTICS``) with CBC's default (on) on the same graphs instead.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--mirrored", type=int, nargs="*", default=None, help="node counts of mirror-symmetric graphs")
     parser.add_argument("--seeds", type=int, default=3, help="graphs per --mirrored size")
     parser.add_argument("--pairs", type=int, default=6, help="most mirror pairs of strategies per node (--mirrored)")
+    parser.add_argument("--heuristics", action="store_true",
+                        help="with --mirrored: CBC's heuristics off (ours) against on (its default), not sets against variables")
     args = parser.parse_args()
     if args.mirrored is not None:
         return mirrored(args)
@@ -95,29 +98,34 @@ def main() -> None:
 
 
 def mirrored(args: argparse.Namespace) -> None:
-    """Set branching against variable branching on loose ILPs: per size, the median over seeds of each one's seconds."""
+    """Our CBC setting against the other one on loose ILPs: per size, the median over seeds of each one's seconds.
+
+    The setting compared is set branching (``BRANCH_ON_SETS``), or with ``--heuristics`` CBC's primal heuristics
+    (``CBC_HEURISTICS``, ours off); both runs of a graph must reach the same optimum."""
+    flag, ours = ("CBC_HEURISTICS", False) if args.heuristics else ("BRANCH_ON_SETS", True)
+    labels = ("heur. off s", "heur. on s") if args.heuristics else ("sets s", "variables s")
     print(f"mirror-symmetric graphs (degree 4, 2-{2 * args.pairs} strategies per node), {args.seeds} seeds per size, "
           f"CBC limit {args.time_limit:.0f} s")
-    print(f"{'nodes':>6} {'left':>5} {'sets s':>8} {'variables s':>12} {'ratio':>6}  statuses")
+    print(f"{'nodes':>6} {'left':>5} {labels[0]:>12} {labels[1]:>12} {'ratio':>6}  statuses")
     for size in args.mirrored or [40, 60, 80]:
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[bool, list[float]] = {ours: [], not ours: []}
         statuses, left = [], []
         for seed in range(args.seeds):
             graph = synthetic_mirrored_graph(size, seed=seed, max_pairs=args.pairs)
             found = {}
-            for sets in (True, False):
-                ilp.BRANCH_ON_SETS = sets
+            for value in (ours, not ours):
+                setattr(ilp, flag, value)
                 t0 = time.perf_counter()
-                found[sets] = solve(graph, time_limit=args.time_limit)
-                times[sets].append(time.perf_counter() - t0)
-                statuses.append(found[sets].status)
-            ilp.BRANCH_ON_SETS = True
-            left.append(graph.num_nodes - found[True].reduced_nodes)
+                found[value] = solve(graph, time_limit=args.time_limit)
+                times[value].append(time.perf_counter() - t0)
+                statuses.append(found[value].status)
+            setattr(ilp, flag, ours)
+            left.append(graph.num_nodes - found[ours].reduced_nodes)
             if all(f.status == "optimal" for f in found.values()):
-                assert abs(found[True].objective - found[False].objective) <= 1e-9 * abs(found[False].objective), (size, seed)
-        a, b = statistics.median(times[True]), statistics.median(times[False])
+                assert abs(found[ours].objective - found[not ours].objective) <= 1e-9 * abs(found[not ours].objective), (size, seed)
+        a, b = statistics.median(times[ours]), statistics.median(times[not ours])
         shown = ",".join(sorted(set(statuses)))
-        print(f"{size:>6} {statistics.median(left):>5.0f} {a:>8.2f} {b:>12.2f} {b / a:>6.2f}  {shown}", flush=True)
+        print(f"{size:>6} {statistics.median(left):>5.0f} {a:>12.2f} {b:>12.2f} {b / a:>6.2f}  {shown}", flush=True)
 
 
 if __name__ == "__main__":
