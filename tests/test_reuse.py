@@ -177,3 +177,28 @@ def test_the_check_of_alternate_tying_costs_at_most_the_solve_it_checks_and_neve
     assert [limit for _, limit, _ in calls] and all(limit <= 1e-3 for _, limit, _ in calls)
     assert [p for p, _ in periods] == [1, 2]
     assert solved.solution.objective in [o for _, o in periods] and solved.solution.objective <= periods[0][1]
+
+
+def test_blocks_crossed_by_earlier_statistics_are_one_kind_of_layer_and_cost_what_each_costs_alone():
+    """Each layer of a Wide-ResNet is crossed by the batch-norm statistics of every block before it (made there,
+    returned at the end), so block k's layer has markers for k blocks' statistics. Markers compile to nothing: the
+    blocks of a stage are one kind of layer, priced once. Oracle: every layer priced from its own program (each
+    its own kind), on 2x2 and 1x4 views of four devices, equal to its kind's cost to the last bit."""
+    from alpa_lab.api import trace_microbatched
+    from alpa_lab.models import make_wide_resnet, wide_resnet_config
+    from alpa_lab.passes.pipeline import PipelineProblem
+
+    ex = make_wide_resnet(wide_resnet_config(batch=16, image_size=32, blocks=3, stages=2, base_width=8), abstract=True)
+    graph, _ = trace_microbatched(ex.train_step, ex.args, 2, 6)
+    shared = PipelineProblem.build(graph, CLUSTER)
+    own = PipelineProblem.build(graph, CLUSTER)
+    own.layer_keys = tuple(range(own.slicing.num_layers))  # every layer priced from its own program
+    kinds = defaultdict(list)
+    for lay, key in enumerate(shared.layer_keys):
+        kinds[key].append(lay)
+    assert sorted(kinds.values()) == [[0], [1, 2], [3], [4], [5]], kinds  # the first block of a stage differs
+    crossed = [sum(op.primitive == "pipeline_marker" for op in own.piece((lay, lay + 1)).graph.ops) for lay in (1, 2)]
+    assert crossed[0] < crossed[1], crossed  # the two do differ: more statistics cross the later one
+    for submesh, logical in (((1, 4), (2, 2)), ((1, 4), (1, 4))):
+        for lay in range(own.slicing.num_layers):
+            assert shared.layer_cost(lay, submesh, logical) == own.layer_cost(lay, submesh, logical), (lay, logical)

@@ -233,13 +233,15 @@ class PipelineProblem:
         micro-batches) is its data and whose other arguments are its weights (none is returned as new state)."""
         t0 = time.perf_counter()
         slicing = slice_program(graph, inference=inference, batch=batch)
+        consumers = graph.consumers()
         keys: dict[tuple, int] = {}
         layer_keys = []
         for lay in range(slicing.num_layers):
             ops = slicing.ops_of([lay], (FORWARD, BACKWARD))
-            key = tuple((slicing.phase[i], _layer_op_key(graph.ops[i], graph)) for i in ops) if reuse else (lay,)
+            key = tuple(
+                (slicing.phase[i], _layer_op_key(graph.ops[i], graph)) for i in ops if not _passes_through(graph.ops[i], graph, consumers)
+            ) if reuse else (lay,)
             layer_keys.append(keys.setdefault(key, len(keys)))
-        consumers = graph.consumers()
         saved = frozenset(
             op.index
             for op in graph.ops
@@ -400,7 +402,7 @@ class PipelineProblem:
                         forward_sums += add
                     else:
                         sums += add
-        forward += sol.objective - op_total  # loads and reshardings: charged to the forward
+        forward += max(sol.objective - op_total, 0.0)  # loads and reshardings: charged to the forward (clip round-off)
         return LayerCost(forward + forward_sums, sol.objective - forward + sums, weights * self.state_factor, activations)
 
     @functools.cached_property
@@ -841,6 +843,17 @@ def _send_bytes(graph: OpGraph, slicing: ProgramSlicing, consumers: Mapping[int,
     return np.maximum(out, back)
 
 
+def _passes_through(op: Op, graph: OpGraph, consumers: Mapping[int, Sequence[int]]) -> bool:
+    """A boundary marker whose tensors no op of its layer reads (only the next boundary's markers, or the results):
+    a value made before the layer and used after it, such as a batch norm's statistics, returned at the end. A
+    marker compiles to nothing and costs nothing (``bytes_accessed``), so a layer costs the same with or without
+    such markers, and the blocks of a stack, each crossed by the statistics of one block more, are one kind of
+    layer (``layer_keys``): checked by pricing each layer on its own (``reuse=False``) in tests/test_reuse.py."""
+    return op.primitive == "pipeline_marker" and all(
+        graph.ops[c].primitive == "pipeline_marker" for v in op.outputs for c in consumers.get(v, ())
+    )
+
+
 def _layer_op_key(op: Op, graph: OpGraph) -> tuple:
     """``_op_key`` without the boundary's name: layer 3 and layer 5 of a stack are the same layer."""
     if op.primitive == "pipeline_marker":
@@ -988,7 +1001,7 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
         if p != FORWARD:
             comm[p] += r.cost
             rest -= r.cost
-    comm[FORWARD] += rest
+    comm[FORWARD] += max(rest, 0.0)  # the objective is the same sum added in another order: clip its round-off
     launches = {p: 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0 for p in (FORWARD, BACKWARD, APPLY)}
     for name, add in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
         p = phase.get(name, FORWARD)
