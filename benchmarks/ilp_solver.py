@@ -113,13 +113,15 @@ def mirrored(args: argparse.Namespace) -> None:
         for seed in range(args.seeds):
             graph = synthetic_mirrored_graph(size, seed=seed, max_pairs=args.pairs)
             found = {}
-            for value in (ours, not ours):
-                setattr(ilp, flag, value)
-                t0 = time.perf_counter()
-                found[value] = solve(graph, time_limit=args.time_limit)
-                times[value].append(time.perf_counter() - t0)
-                statuses.append(found[value].status)
-            setattr(ilp, flag, ours)
+            try:
+                for value in (ours, not ours):
+                    setattr(ilp, flag, value)
+                    t0 = time.perf_counter()
+                    found[value] = solve(graph, time_limit=args.time_limit)
+                    times[value].append(time.perf_counter() - t0)
+                    statuses.append(found[value].status)
+            finally:
+                setattr(ilp, flag, ours)
             left.append(graph.num_nodes - found[ours].reduced_nodes)
             if all(f.status == "optimal" for f in found.values()):
                 assert abs(found[ours].objective - found[not ours].objective) <= 1e-9 * abs(found[not ours].objective), (size, seed)

@@ -263,7 +263,8 @@ def lp_bound(graph: CostGraph) -> float:
 
 def test_loose_mirror_symmetric_ilps_keep_brute_forces_optimum(monkeypatch) -> None:
     """CBC's set branching and early-trusted pseudo-costs (``BRANCH_ON_SETS``) keep the optimum on ILPs whose LP bound
-    is loose, where the search has to branch; brute force is the reference, for the plain branching too."""
+    is loose, where the search has to branch, with its primal heuristics off (ours, ``CBC_HEURISTICS``) or on (CBC's
+    default); brute force is the reference, for the plain branching too."""
     from alpa_lab.passes import ilp
 
     rng = np.random.default_rng(5)
@@ -271,8 +272,9 @@ def test_loose_mirror_symmetric_ilps_keep_brute_forces_optimum(monkeypatch) -> N
     for _ in range(12):
         graph = synthetic_mirrored_graph(int(rng.integers(5, 9)), seed=int(rng.integers(1 << 30)), degree=5.0)
         expected = brute_force(graph)
-        for sets in (True, False):
+        for sets, heuristics in ((True, False), (False, False), (True, True)):
             monkeypatch.setattr(ilp, "BRANCH_ON_SETS", sets)
+            monkeypatch.setattr(ilp, "CBC_HEURISTICS", heuristics)
             got = solve(graph, reduce=False)
             assert got.status == "optimal" and got.solver == "cbc"
             assert got.objective == pytest.approx(expected[1], rel=1e-9, abs=1e-12)

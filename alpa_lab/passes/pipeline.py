@@ -402,7 +402,9 @@ class PipelineProblem:
                         forward_sums += add
                     else:
                         sums += add
-        forward += max(sol.objective - op_total, 0.0)  # loads and reshardings: charged to the forward (clip round-off)
+        # loads and reshardings: charged to the forward (round-off clipped, not a cost counted twice)
+        assert sol.objective - op_total >= -1e-9 * max(abs(sol.objective), 1e-12), (sol.objective, op_total)
+        forward += max(sol.objective - op_total, 0.0)
         return LayerCost(forward + forward_sums, sol.objective - forward + sums, weights * self.state_factor, activations)
 
     @functools.cached_property
@@ -844,13 +846,17 @@ def _send_bytes(graph: OpGraph, slicing: ProgramSlicing, consumers: Mapping[int,
 
 
 def _passes_through(op: Op, graph: OpGraph, consumers: Mapping[int, Sequence[int]]) -> bool:
-    """A boundary marker whose tensors no op of its layer reads (only the next boundary's markers, or the results):
-    a value made before the layer and used after it, such as a batch norm's statistics, returned at the end. A
-    marker compiles to nothing and costs nothing (``bytes_accessed``), so a layer costs the same with or without
-    such markers, and the blocks of a stack, each crossed by the statistics of one block more, are one kind of
-    layer (``layer_keys``): checked by pricing each layer on its own (``reuse=False``) in tests/test_reuse.py."""
-    return op.primitive == "pipeline_marker" and all(
-        graph.ops[c].primitive == "pipeline_marker" for v in op.outputs for c in consumers.get(v, ())
+    """A boundary marker of tensors that only cross the layer: made by ops before it, read by no op of it, only by
+    the next boundary's markers (a batch norm's statistics on their way to the end of the step). A marker compiles
+    to nothing and costs nothing (``bytes_accessed``), so a layer costs the same with or without such markers, and
+    the blocks of a stack, each crossed by the statistics of one block more, are one kind of layer (``layer_keys``;
+    tests/test_reuse.py prices each layer from its own program). Not one of an argument (a weight marked by hand:
+    the layer holds it) nor one that makes a result (which the layer sums over the micro-batches)."""
+    if op.primitive != "pipeline_marker":
+        return False
+    outvars = set(graph.outvars)
+    return all(graph.vars[v].producer is not None for v in op.inputs) and all(
+        v not in outvars and all(graph.ops[c].primitive == "pipeline_marker" for c in consumers.get(v, ())) for v in op.outputs
     )
 
 
@@ -1001,7 +1007,9 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
         if p != FORWARD:
             comm[p] += r.cost
             rest -= r.cost
-    comm[FORWARD] += max(rest, 0.0)  # the objective is the same sum added in another order: clip its round-off
+    # the objective is the same sums added in another order: clip its round-off, but not a cost counted twice
+    assert rest >= -1e-9 * max(abs(plan.objective), 1e-12), f"a stage's costs add up to more than its objective ({rest})"
+    comm[FORWARD] += max(rest, 0.0)
     launches = {p: 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0 for p in (FORWARD, BACKWARD, APPLY)}
     for name, add in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
         p = phase.get(name, FORWARD)
