@@ -234,12 +234,14 @@ class PipelineProblem:
         t0 = time.perf_counter()
         slicing = slice_program(graph, inference=inference, batch=batch)
         consumers = graph.consumers()
+        results = frozenset(graph.outvars)
         keys: dict[tuple, int] = {}
         layer_keys = []
         for lay in range(slicing.num_layers):
             ops = slicing.ops_of([lay], (FORWARD, BACKWARD))
             key = tuple(
-                (slicing.phase[i], _layer_op_key(graph.ops[i], graph)) for i in ops if not _passes_through(graph.ops[i], graph, consumers)
+                (slicing.phase[i], _layer_op_key(graph.ops[i], graph))
+                for i in ops if not _passes_through(graph.ops[i], graph, consumers, results)
             ) if reuse else (lay,)
             layer_keys.append(keys.setdefault(key, len(keys)))
         saved = frozenset(
@@ -402,9 +404,7 @@ class PipelineProblem:
                         forward_sums += add
                     else:
                         sums += add
-        # loads and reshardings: charged to the forward (round-off clipped, not a cost counted twice)
-        assert sol.objective - op_total >= -1e-9 * max(abs(sol.objective), 1e-12), (sol.objective, op_total)
-        forward += max(sol.objective - op_total, 0.0)
+        forward += _clipped(sol.objective - op_total, sol.objective)  # loads and reshardings: charged to the forward
         return LayerCost(forward + forward_sums, sol.objective - forward + sums, weights * self.state_factor, activations)
 
     @functools.cached_property
@@ -845,18 +845,26 @@ def _send_bytes(graph: OpGraph, slicing: ProgramSlicing, consumers: Mapping[int,
     return np.maximum(out, back)
 
 
-def _passes_through(op: Op, graph: OpGraph, consumers: Mapping[int, Sequence[int]]) -> bool:
+def _clipped(rest: float, objective: float) -> float:
+    """``rest``, what an ILP's ``objective`` has beyond the parts counted (loads, reshardings): the same costs added in
+    another order, so its round-off (a layer of markers alone: -1e-25 s) is clipped to 0, but a cost counted twice is
+    refused."""
+    assert rest >= -1e-9 * max(abs(objective), 1e-12), f"the parts of a plan's costs add up to more than its objective ({rest})"
+    return max(rest, 0.0)
+
+
+def _passes_through(op: Op, graph: OpGraph, consumers: Mapping[int, Sequence[int]], results: frozenset[int]) -> bool:
     """A boundary marker of tensors that only cross the layer: made by ops before it, read by no op of it, only by
     the next boundary's markers (a batch norm's statistics on their way to the end of the step). A marker compiles
     to nothing and costs nothing (``bytes_accessed``), so a layer costs the same with or without such markers, and
     the blocks of a stack, each crossed by the statistics of one block more, are one kind of layer (``layer_keys``;
     tests/test_reuse.py prices each layer from its own program). Not one of an argument (a weight marked by hand:
-    the layer holds it) nor one that makes a result (which the layer sums over the micro-batches)."""
+    the layer holds it) nor one that makes a result (``results``: the program's; the layer sums it over the
+    micro-batches)."""
     if op.primitive != "pipeline_marker":
         return False
-    outvars = set(graph.outvars)
     return all(graph.vars[v].producer is not None for v in op.inputs) and all(
-        v not in outvars and all(graph.ops[c].primitive == "pipeline_marker" for c in consumers.get(v, ())) for v in op.outputs
+        v not in results and all(graph.ops[c].primitive == "pipeline_marker" for c in consumers.get(v, ())) for v in op.outputs
     )
 
 
@@ -1007,9 +1015,7 @@ def stage_parts(problem: PipelineProblem, plan: Plan, layers: tuple[int, int]) -
         if p != FORWARD:
             comm[p] += r.cost
             rest -= r.cost
-    # the objective is the same sums added in another order: clip its round-off, but not a cost counted twice
-    assert rest >= -1e-9 * max(abs(plan.objective), 1e-12), f"a stage's costs add up to more than its objective ({rest})"
-    comm[FORWARD] += max(rest, 0.0)
+    comm[FORWARD] += _clipped(rest, plan.objective)
     launches = {p: 1.0 if (p == FORWARD or compute[p] or comm[p]) else 0.0 for p in (FORWARD, BACKWARD, APPLY)}
     for name, add in accumulation_seconds(problem, plan, layers).items():  # beyond the objective
         p = phase.get(name, FORWARD)
