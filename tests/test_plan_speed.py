@@ -539,6 +539,41 @@ def test_rebalancing_finds_the_lowest_1f1b_period_of_the_placed_stages_by_brute_
     assert checked >= 3 and moved >= 1, (checked, moved)
 
 
+def test_relocating_the_odd_sub_mesh_finds_its_best_position_by_brute_force():
+    """Eq. 2 cannot tell where among equal stages an odd sub-mesh sits; with fewer micro-batches than stages
+    1F1B's fill can (GPT-3 175B: 96.6 s with its one 2x8 stage at layer 68, 100.3 s at 94). ``_relocated``,
+    started from the worst position of a (1, 2) stage among (1, 1) stages of equal layers, finds the position
+    whose simulated step is lowest: the minimum of ``estimated_step`` over every position (the stages placed
+    again each time), with every other stage's layers, mesh and layout kept."""
+    from alpa_lab.passes.inter_op import InterOpPlan, StagePlan
+    from alpa_lab.passes.pipeline import _relocated, estimated_step, in_flight_rule
+    from alpa_lab.passes.submesh import place_submeshes
+
+    problem = _stack_problem()  # layer keys 0, 1, 1, 1, 1, 1, 1, 2 on 2 hosts of 4 devices
+    B, ranges = 2, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 8)]
+
+    def candidate(wide: int) -> InterOpPlan:
+        shapes = [(1, 2) if k == wide else (1, 1) for k in range(len(ranges))]
+        placed = place_submeshes(shapes, 2, 4)
+        stages = tuple(StagePlan(r, sh, sh, p.device_ids, problem.stage_cost(*r, sh, sh).time, "alpa")
+                       for r, sh, p in zip(ranges, shapes, placed))
+        return InterOpPlan(stages, 0.0, max(st.time for st in stages), B)
+
+    steps = {k: estimated_step(problem, candidate(k), "1f1b") for k in range(1, 6)}  # the equal stages' positions
+    worst, best = max(steps, key=steps.get), min(steps.values())
+    assert best < steps[worst] * (1 - 1e-6), steps  # the position matters in this case
+    found = _relocated(problem, candidate(worst), in_flight_rule("1f1b", B), "alpa")
+    assert found is not None
+    assert estimated_step(problem, found, "1f1b") == pytest.approx(best, rel=1e-12)
+    wide = [k for k, st in enumerate(found.stages) if st.submesh_shape == (1, 2)]
+    assert len(wide) == 1 and steps[wide[0]] == pytest.approx(best, rel=1e-12)
+    assert [st.layers for st in found.stages] == ranges
+    assert all(st.logical_shape == st.submesh_shape and st.variant == "alpa" for st in found.stages)
+    assert sorted(d for st in found.stages for d in st.device_ids) == list(range(8))
+    # from the best position nothing is lower: no candidate
+    assert _relocated(problem, candidate(wide[0]), in_flight_rule("1f1b", B), "alpa") is None
+
+
 @pytest.mark.parametrize("pool", ["threads", "forked"])
 def test_layer_costs_solved_two_meshes_at_a_time_equal_those_solved_one_by_one(monkeypatch, pool):
     """``prefetch_layer_costs`` runs the layer ILPs of two meshes at once (threads, CBC in subprocesses; or forked
@@ -734,3 +769,32 @@ def test_the_stage_options_profiled_over_whole_ranges_equal_those_asked_one_rang
         assert any(o.max_in_flight is not None for o in options)
     if schedule == "gpipe":
         assert {"megatron", "zero3"} & {o.variant for o in options} and stats["no_memory"] > 0
+
+
+def test_stages_whose_update_runs_in_name_order_are_twins():
+    """An optimizer updates the parameters in their pytree order, which sorts names as strings (Block_10 before
+    Block_9), and the gradient markers come in that order too: a stage of blocks 8-10 then wrote its update
+    10, 8, 9 where blocks 2-4 wrote 2, 3, 4, and its plan was solved again (GPT-39B: stage 9-11, 0.27 s). The
+    stage's program takes those ops layer by layer; oracle: its problem built and solved afresh."""
+    from alpa_lab.models import gpt_config, make_gpt
+    from alpa_lab.passes.stages import APPLY
+
+    ex = make_gpt(gpt_config(layers=12, hidden=64, heads=4, batch=8, seq_len=16, vocab=128), abstract=True)
+    graph, _ = trace_microbatched(ex.train_step, ex.args, 2, 12)
+    problem = PipelineProblem.build(graph, al.ClusterSpec.local(1, 4))
+    assert len(set(problem.layer_keys[2:11])) == 1
+    slicing = problem.slicing
+    update = [i for i in slicing.ops_of(range(8, 11)) if slicing.phase[i] == APPLY]
+    assert [slicing.layer[i] for i in update] != sorted(slicing.layer[i] for i in update)  # the case: name order
+    piece = problem.piece((8, 11)).graph
+    made = set()
+    for op in piece.ops:  # an order the ops can run in
+        assert all(piece.vars[v].producer is None or v in made for v in op.inputs), op.name
+        made.update(op.outputs)
+    assert sorted(op.name for op in piece.ops) == sorted(graph.ops[i].name for i in slicing.ops_of(range(8, 11)))
+    first = problem.stage_graph((2, 5), (1, 2), (1, 2), (0, 1))
+    twin = problem.stage_graph((8, 11), (1, 2), (1, 2), (2, 3))
+    assert twin.cost_graph is first.cost_graph  # renamed, not built
+    fresh = build_strategy_graph(piece, twin.mesh, argument_kinds=problem.piece_kinds(problem.piece((8, 11))))
+    assert node_fields(twin) == node_fields(fresh)
+    assert solve_strategy_graph(twin).objective == pytest.approx(solve_strategy_graph(fresh).objective, rel=1e-12)

@@ -42,15 +42,17 @@ def subgraph(
     *,
     outputs: Iterable[int] | None = None,
     consumers: Mapping[int, Sequence[int]] | None = None,
+    ordered: bool = False,
 ) -> Subgraph:
-    """The ops ``op_indices`` of ``graph`` (kept in program order) as a program.
+    """The ops ``op_indices`` of ``graph`` (kept in program order; ``ordered``: in the order given, which must
+    be an order they can run in) as a program.
 
     Its results are the tensors it computes that ops outside it or the whole program's
     results read, or exactly ``outputs`` when given (a unit task's needed results).
     ``consumers`` (``graph.consumers()``, computed once by a caller that cuts many pieces)
     spares a scan of the whole program per piece.
     """
-    chosen = sorted(set(op_indices))
+    chosen = list(dict.fromkeys(op_indices)) if ordered else sorted(set(op_indices))
     inside = set(chosen)
     produced = {v for i in chosen for v in graph.ops[i].outputs}
     in_pos = {v: i for i, v in enumerate(graph.invars)}

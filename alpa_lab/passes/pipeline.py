@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 import math
 import multiprocessing as mp
 import os
@@ -219,7 +220,8 @@ class PipelineProblem:
     def piece(self, layers: tuple[int, int]) -> Subgraph:
         """The program of the stage holding ``layers`` [start, end)."""
         if layers not in self.pieces:
-            self.pieces[layers] = subgraph(self.graph, self.slicing.ops_of(range(*layers)), consumers=self.consumers or None)
+            ops = _by_layer(self.graph, self.slicing, self.slicing.ops_of(range(*layers)))
+            self.pieces[layers] = subgraph(self.graph, ops, consumers=self.consumers or None, ordered=True)
         return self.pieces[layers]
 
     @classmethod
@@ -843,6 +845,41 @@ def _send_bytes(graph: OpGraph, slicing: ProgramSlicing, consumers: Mapping[int,
     # [s, e] = sum over rows s..L of column e (rows >= e are 0 in that column): suffix sums over rows
     out, back = np.cumsum(out[::-1], axis=0)[::-1], np.cumsum(back[::-1], axis=0)[::-1]
     return np.maximum(out, back)
+
+
+def _by_layer(graph: OpGraph, slicing: ProgramSlicing, ops: Sequence[int]) -> list[int]:
+    """``ops`` (in program order) with those written per parameter (the update's, and the markers of the
+    gradients) after the rest, layer by layer, as far as what they read allows (a priority topological order).
+
+    A step writes those over its parameters in their pytree order, which sorts names as strings
+    (``Block_10`` and ``Block_11`` before ``Block_9``): in program order, the stage of blocks 9-11 would update
+    10, 11, 9 and the stage of 3-5 update 3, 4, 5, two programs that differ in more than names, so the
+    second could not take the first's plan (``relabel``)."""
+    phase, layer = slicing.phase, slicing.layer
+
+    def per_parameter(i: int) -> bool:
+        op = graph.ops[i]
+        return phase[i] == APPLY or (op.primitive == "pipeline_marker" and op.params.get("kind") == "gradient")
+
+    key = {i: (1, layer[i], i) if per_parameter(i) else (0, 0, i) for i in ops}
+    readers: dict[int, list[int]] = {i: [] for i in ops}
+    waiting = dict.fromkeys(ops, 0)
+    for i in ops:
+        for p in {graph.vars[v].producer for v in graph.ops[i].inputs} & key.keys():
+            readers[p].append(i)
+            waiting[i] += 1
+    ready = [key[i] for i in ops if not waiting[i]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)[2]
+        out.append(i)
+        for r in readers[i]:
+            waiting[r] -= 1
+            if not waiting[r]:
+                heapq.heappush(ready, key[r])
+    assert len(out) == len(ops), "a stage's ops read each other in a cycle"
+    return out
 
 
 def _clipped(rest: float, objective: float) -> float:
@@ -1478,6 +1515,8 @@ def plan_pipeline(
     candidates = _distinct(candidates)
     if schedule == "1f1b":  # each candidate's boundaries, moved to where its placed links cost least (_rebalanced)
         candidates = _distinct(candidates + [r for c in candidates if (r := _rebalanced(problem, c, rule, method)) is not None])
+        # and its odd sub-mesh taken to where the fill costs least (_relocated)
+        candidates = _distinct(candidates + [r for c in candidates if (r := _relocated(problem, c, rule, method)) is not None])
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
@@ -1659,6 +1698,71 @@ def _rebalanced(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[in
     )
     t = [st.time for st in new]
     return dataclasses.replace(inter, stages=new, total_time=pipeline_latency(t, B), t_max=max(t))
+
+
+RELOCATIONS = 16
+"""Positions ``_relocated`` simulates per odd stage (spread evenly over the stages of equal layers)"""
+
+
+def _relocated(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[int], int], method: str) -> InterOpPlan | None:
+    """``inter`` with one stage's sub-mesh, logical mesh and layout traded with another stage's of the same
+    kinds of layers, where the simulated step (``estimated_step``) falls most; None if no trade makes it fall.
+
+    Eq. 2 sees the stages' times as a sum and a maximum, which no order changes, so slicings that differ
+    only in which of several equal layer ranges holds an odd sub-mesh tie in the DP (GPT-3 on 128 hosts of
+    8: one 2x8 stage among 1x8 ones, its slowest), and it keeps one of them. With fewer micro-batches than
+    stages, 1F1B's fill depends on where the slowest stage sits: GPT-3 175B's simulated step was 96.6 s with
+    the 2x8 stage at layer 68 and 100.3 s at layer 94, both eq. 2 optima. Each stage whose (sub-mesh,
+    logical mesh, layout) is rarer among its equal stages than another's is tried at up to ``RELOCATIONS``
+    of their positions, placed again and checked against memory at its new position (eq. 5).
+    """
+    stages, S = inter.stages, inter.num_stages
+    kinds = [problem.layer_keys[a:b] for a, b in (st.layers for st in stages)]
+    config = [(st.submesh_shape, st.logical_shape, st.variant) for st in stages]
+    groups: dict[tuple, list[int]] = {}
+    for k, key in enumerate(kinds):
+        groups.setdefault(key, []).append(k)
+    moves = []
+    for members in groups.values():
+        counts: dict[tuple, int] = {}
+        for k in members:
+            counts[config[k]] = counts.get(config[k], 0) + 1
+        if len(counts) < 2:
+            continue
+        common = max(counts.values())
+        for i in members:
+            if counts[config[i]] == common:
+                continue
+            others = [j for j in members if config[j] != config[i]]
+            step = max(len(others) / RELOCATIONS, 1.0)
+            moves += [(i, others[int(n * step)]) for n in range(min(len(others), RELOCATIONS))]
+    if not moves:
+        return None
+    c, memory = problem.cluster, problem.cluster.device_memory
+    best, best_step = None, estimated_step(problem, inter, "1f1b", method)
+    for i, j in moves:
+        order = list(range(S))
+        order[i], order[j] = j, i  # stage i takes j's mesh and layout, j takes i's
+        try:
+            placed = place_submeshes([stages[order[k]].submesh_shape for k in range(S)], c.hosts, c.devices_per_host)
+        except PlacementError:
+            continue
+        moved = tuple(
+            dataclasses.replace(stages[order[k]], layers=stages[k].layers, device_ids=p.device_ids) for k, p in enumerate(placed)
+        )
+        fits = True
+        for k in (i, j):
+            st = moved[k]
+            cost = problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method)
+            held = None if cost is None else _fits(cost, memory)
+            fits = fits and cost is not None and (held is None or held >= rule(S - k))
+        if not fits:
+            continue
+        cand = dataclasses.replace(inter, stages=moved)
+        step = estimated_step(problem, cand, "1f1b", method)
+        if step < best_step * (1 - 1e-9):
+            best, best_step = cand, step
+    return best
 
 
 MEMORY_SAVING_METHODS = ("megatron", "zero3")
