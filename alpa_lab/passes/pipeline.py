@@ -1714,7 +1714,8 @@ def _relocated(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[int
     stages, 1F1B's fill depends on where the slowest stage sits: GPT-3 175B's simulated step was 96.6 s with
     the 2x8 stage at layer 68 and 100.3 s at layer 94, both eq. 2 optima. Each stage whose (sub-mesh,
     logical mesh, layout) is rarer among its equal stages than another's is tried at up to ``RELOCATIONS``
-    of their positions, placed again and checked against memory at its new position (eq. 5).
+    of their positions (``4 * RELOCATIONS`` trades in all at most), placed again and checked against memory at
+    its new position (eq. 5).
     """
     stages, S = inter.stages, inter.num_stages
     kinds = [problem.layer_keys[a:b] for a, b in (st.layers for st in stages)]
@@ -1738,6 +1739,8 @@ def _relocated(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[int
             moves += [(i, others[int(n * step)]) for n in range(min(len(others), RELOCATIONS))]
     if not moves:
         return None
+    if len(moves) > 4 * RELOCATIONS:  # many odd stages (a mix of meshes): as many simulations as four of them get
+        moves = moves[:: -(-len(moves) // (4 * RELOCATIONS))]
     c, memory = problem.cluster, problem.cluster.device_memory
     best, best_step = None, estimated_step(problem, inter, "1f1b", method)
     for i, j in moves:
