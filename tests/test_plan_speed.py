@@ -572,6 +572,16 @@ def test_relocating_the_odd_sub_mesh_finds_its_best_position_by_brute_force():
     assert sorted(d for st in found.stages for d in st.device_ids) == list(range(8))
     # from the best position nothing is lower: no candidate
     assert _relocated(problem, candidate(wide[0]), in_flight_rule("1f1b", B), "alpa") is None
+    # with 8 micro-batches stage k holds 7 - k of them (1F1B): on devices that hold 4 of the (1, 2) stage's, the
+    # positions before 3 are refused (eq. 5), and the best of the rest is taken (the unbounded best is 2)
+    B = 8
+    steps = {k: estimated_step(problem, candidate(k), "1f1b") for k in range(1, 6)}
+    assert min(steps, key=steps.get) == 2, steps
+    wide_cost = problem.stage_cost(1, 2, (1, 2), (1, 2))
+    problem.cluster = dataclasses.replace(problem.cluster, device_memory=wide_cost.weight_memory + 4.5 * wide_cost.activation_memory)
+    found = _relocated(problem, candidate(5), in_flight_rule("1f1b", B), "alpa")
+    wide = [k for k, st in enumerate(found.stages) if st.submesh_shape == (1, 2)]
+    assert wide == [min((3, 4), key=steps.get)], (wide, steps)
 
 
 @pytest.mark.parametrize("pool", ["threads", "forked"])
@@ -798,3 +808,29 @@ def test_stages_whose_update_runs_in_name_order_are_twins():
     fresh = build_strategy_graph(piece, twin.mesh, argument_kinds=problem.piece_kinds(problem.piece((8, 11))))
     assert node_fields(twin) == node_fields(fresh)
     assert solve_strategy_graph(twin).objective == pytest.approx(solve_strategy_graph(fresh).objective, rel=1e-12)
+
+
+def test_stage_specs_are_the_same_from_the_planned_pieces_and_from_pieces_cut_again():
+    """A stage's program takes its update layer by layer (``_by_layer``), so its arguments come in another order
+    than in a piece cut again in program order (Adam's moments: mu of every layer then nu, against mu and nu layer
+    by layer), as the Ray runtime's transfers cut them (``runtime.program``: no pieces given). Each argument's spec
+    is matched by its path, not its position: the same specs either way."""
+    from alpa_lab.passes.pipeline import stage_tensor_specs
+    from alpa_lab.passes.transfers import stage_transfers
+
+    ex = tiny_example("gpt")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4), microbatches=2, layers=4)
+    plan = step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 2), (1, 2)])
+    problem = plan.problem
+    pieces = [problem.piece(st.layers) for st in plan.stages]
+    again = [subgraph(problem.graph, problem.slicing.ops_of(range(*st.layers))) for st in plan.stages]
+    assert any(a.invars != b.invars for a, b in zip(pieces, again))  # the case: another order of the same arguments
+    assert all(sorted(a.invars) == sorted(b.invars) for a, b in zip(pieces, again))
+    planned = stage_tensor_specs(problem.graph, problem.slicing, plan.stages, pieces)
+    assert stage_tensor_specs(problem.graph, problem.slicing, plan.stages) == planned
+    for st, piece, specs in zip(plan.stages, pieces, planned):  # oracle: the stage plan's own input, by position
+        for v, t in zip(piece.invars, st.plan.inputs):
+            assert specs[v] == t.spec
+    a = stage_transfers(problem.graph, problem.slicing, plan.stages, pieces=pieces)
+    b = stage_transfers(problem.graph, problem.slicing, plan.stages)
+    assert a == b and a  # the cross-mesh moves (each tensor's source and destination specs) alike

@@ -116,6 +116,8 @@ def subgraph(
     new_ops: list[Op] = []
     for i in chosen:
         op = graph.ops[i]
+        if ordered and any(v in produced and v not in var_map for v in op.inputs):
+            raise ValueError(f"{op.name} reads a tensor this piece computes after it: the order given cannot run")
         ins = tuple([add(v) for v in op.inputs])
         k = len(new_ops)
         outs = tuple([add(v, producer=k) for v in op.outputs])

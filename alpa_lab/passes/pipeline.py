@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,8 +47,8 @@ from alpa_lab.graph.analysis import classify_arguments
 from alpa_lab.graph.opgraph import Op, OpGraph, is_inexact
 from alpa_lab.graph.subgraph import Subgraph, subgraph
 from alpa_lab.passes.inter_op import (
-    InterOpError, InterOpPlan, RangeCosts, StageCost, logical_shapes, pipeline_latency, profile_stage_options, stage_dp, stage_dp_capped,
-    stage_dp_uniform,
+    InterOpError, InterOpPlan, RangeCosts, StageCost, StagePlan, logical_shapes, pipeline_latency, profile_stage_options, stage_dp,
+    stage_dp_capped, stage_dp_uniform,
 )
 from alpa_lab.passes.intra_op import (
     StrategyGraph, _op_key, build_strategy_graph, cost_signature, relabel, retie, solve_strategy_graph, weighted_by_microbatch,
@@ -771,7 +771,8 @@ class PipelineProblem:
             if sg.fingerprint != st.plan.fingerprint:
                 raise PlanFormatError(
                     f"stage {st.index}'s plan (layers {st.layers[0]}..{st.layers[1] - 1}) belongs to another program "
-                    f"than that stage of the traced program; re-plan with step.plan(...)"
+                    f"than that stage of the traced program (or was saved by an alpa_lab that cut stages otherwise); "
+                    f"re-plan with step.plan(...)"
                 )
             _check_choices(st, sg)
             graphs.append(sg)
@@ -1515,8 +1516,9 @@ def plan_pipeline(
     candidates = _distinct(candidates)
     if schedule == "1f1b":  # each candidate's boundaries, moved to where its placed links cost least (_rebalanced)
         candidates = _distinct(candidates + [r for c in candidates if (r := _rebalanced(problem, c, rule, method)) is not None])
-        # and its odd sub-mesh taken to where the fill costs least (_relocated)
-        candidates = _distinct(candidates + [r for c in candidates if (r := _relocated(problem, c, rule, method)) is not None])
+        # and its odd sub-mesh taken to where the fill costs least (_relocated), then that one's boundaries moved too
+        moved = [r for c in candidates if (r := _relocated(problem, c, rule, method)) is not None]
+        candidates = _distinct(candidates + moved + [r for c in moved if (r := _rebalanced(problem, c, rule, method)) is not None])
     problem.seconds["stage_dp"] = time.perf_counter() - t0 - (problem.seconds.get("intra_op", 0.0) - ilp0)
     if progress:
         progress(f"planning the stages of {len(candidates)} candidate(s): {', '.join(str(c.num_stages) for c in candidates)} stages")
@@ -1713,58 +1715,53 @@ def _relocated(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[int
     8: one 2x8 stage among 1x8 ones, its slowest), and it keeps one of them. With fewer micro-batches than
     stages, 1F1B's fill depends on where the slowest stage sits: GPT-3 175B's simulated step was 96.6 s with
     the 2x8 stage at layer 68 and 100.3 s at layer 94, both eq. 2 optima. Each stage whose (sub-mesh,
-    logical mesh, layout) is rarer among its equal stages than another's is tried at up to ``RELOCATIONS``
-    of their positions (``4 * RELOCATIONS`` trades in all at most), placed again and checked against memory at
+    logical mesh, layout) is not its equal stages' most common one is tried at up to ``RELOCATIONS`` of
+    their positions (``4 * RELOCATIONS`` trades in all at most), placed again and checked against memory at
     its new position (eq. 5).
     """
     stages, S = inter.stages, inter.num_stages
-    kinds = [problem.layer_keys[a:b] for a, b in (st.layers for st in stages)]
-    config = [(st.submesh_shape, st.logical_shape, st.variant) for st in stages]
+    config = [(st.submesh_shape, st.logical_shape, st.variant or method) for st in stages]
     groups: dict[tuple, list[int]] = {}
-    for k, key in enumerate(kinds):
-        groups.setdefault(key, []).append(k)
-    moves = []
+    for k, st in enumerate(stages):
+        groups.setdefault(problem.layer_keys[st.layers[0] : st.layers[1]], []).append(k)
+    moves: dict[frozenset, tuple[int, int]] = {}  # a trade once, whichever of its two stages asks for it
     for members in groups.values():
-        counts: dict[tuple, int] = {}
-        for k in members:
-            counts[config[k]] = counts.get(config[k], 0) + 1
-        if len(counts) < 2:
-            continue
-        common = max(counts.values())
+        common = Counter(config[k] for k in members).most_common(1)[0][0]
         for i in members:
-            if counts[config[i]] == common:
+            if config[i] == common:
                 continue
             others = [j for j in members if config[j] != config[i]]
             step = max(len(others) / RELOCATIONS, 1.0)
-            moves += [(i, others[int(n * step)]) for n in range(min(len(others), RELOCATIONS))]
-    if not moves:
+            for n in range(min(len(others), RELOCATIONS)):
+                moves.setdefault(frozenset((i, others[int(n * step)])), (i, others[int(n * step)]))
+    trades = list(moves.values())
+    if not trades:
         return None
-    if len(moves) > 4 * RELOCATIONS:  # many odd stages (a mix of meshes): as many simulations as four of them get
-        moves = moves[:: -(-len(moves) // (4 * RELOCATIONS))]
+    if len(trades) > 4 * RELOCATIONS:  # many odd stages (a mix of meshes): as many simulations as four of them get
+        trades = trades[:: -(-len(trades) // (4 * RELOCATIONS))]
     c, memory = problem.cluster, problem.cluster.device_memory
     best, best_step = None, estimated_step(problem, inter, "1f1b", method)
-    for i, j in moves:
+    for i, j in trades:
         order = list(range(S))
         order[i], order[j] = j, i  # stage i takes j's mesh and layout, j takes i's
         try:
             placed = place_submeshes([stages[order[k]].submesh_shape for k in range(S)], c.hosts, c.devices_per_host)
         except PlacementError:
             continue
-        moved = tuple(
-            dataclasses.replace(stages[order[k]], layers=stages[k].layers, device_ids=p.device_ids) for k, p in enumerate(placed)
-        )
-        fits = True
-        for k in (i, j):
-            st = moved[k]
-            cost = problem.stage_cost(*st.layers, st.submesh_shape, st.logical_shape, st.variant or method)
+        moved = []
+        for k, p in enumerate(placed):
+            (sub, logical, how), layers = config[order[k]], stages[k].layers
+            cost = problem.stage_cost(*layers, sub, logical, how)
             held = None if cost is None else _fits(cost, memory)
-            fits = fits and cost is not None and (held is None or held >= rule(S - k))
-        if not fits:
-            continue
-        cand = dataclasses.replace(inter, stages=moved)
-        step = estimated_step(problem, cand, "1f1b", method)
-        if step < best_step * (1 - 1e-9):
-            best, best_step = cand, step
+            if cost is None or (k in (i, j) and held is not None and held < rule(S - k)):  # the others stay as they fit
+                break
+            moved.append(StagePlan(layers, sub, logical, p.device_ids, cost.time + problem.send_seconds(*layers, sub), how))
+        else:
+            times = [st.time for st in moved]
+            cand = InterOpPlan(tuple(moved), pipeline_latency(times, inter.num_microbatches), max(times), inter.num_microbatches)
+            step = estimated_step(problem, cand, "1f1b", method)
+            if step < best_step * (1 - 1e-9):
+                best, best_step = cand, step
     return best
 
 
@@ -1960,7 +1957,10 @@ def stage_tensor_specs(
     for st in stages:
         by_name = {o.name: o for o in st.plan.ops if o.kind == "op"}
         piece = pieces[st.index] if pieces else subgraph(graph, [i for i, s in enumerate(stage_of_op) if s == st.index])
-        specs = dict(zip(piece.invars, (t.spec for t in st.plan.inputs)))
+        # by path, not position: the planned piece takes its update layer by layer (``_by_layer``), one cut again here
+        # in program order reads its arguments in another order
+        by_path = {t.path: t.spec for t in st.plan.inputs}
+        specs = {v: by_path[path] for v, path in zip(piece.invars, piece.graph.in_paths)}
         for i in sorted(set(piece.var_map) - set(piece.invars)):
             p = graph.vars[i].producer
             if p is not None and stage_of_op[p] == st.index:
