@@ -802,6 +802,8 @@ def test_stages_whose_update_runs_in_name_order_are_twins():
         assert all(piece.vars[v].producer is None or v in made for v in op.inputs), op.name
         made.update(op.outputs)
     assert sorted(op.name for op in piece.ops) == sorted(graph.ops[i].name for i in slicing.ops_of(range(8, 11)))
+    with pytest.raises(ValueError, match="reads a tensor this piece computes after it"):  # an order that cannot run
+        subgraph(graph, list(reversed(slicing.ops_of(range(8, 11)))), ordered=True)
     first = problem.stage_graph((2, 5), (1, 2), (1, 2), (0, 1))
     twin = problem.stage_graph((8, 11), (1, 2), (1, 2), (2, 3))
     assert twin.cost_graph is first.cost_graph  # renamed, not built
