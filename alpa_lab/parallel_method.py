@@ -52,6 +52,7 @@ __all__ = [
     "ManualShardingOption",
     "UNSPECIFIED",
     "LocalPhysicalDeviceMesh",
+    "LocalPipelineParallel",
     "LogicalDeviceMesh",
     "ManualStageOption",
     "MethodOptionError",
@@ -1106,6 +1107,18 @@ class ManualPipeshardParallel(PipeshardParallel):
         stage = ManualStageOption(forward_stage_layer_ids, submesh_physical_shapes, submesh_logical_shapes,
                                   submesh_autosharding_option_dicts)
         super().__init__(devices, num_micro_batches, default_auto_sharding_option, pipeline_schedule, "manual", stage)
+
+
+@dataclass
+class LocalPipelineParallel(PipeshardParallel):
+    """Alpa's debugging method: the step cut at your ``mark_pipeline_boundary()`` calls (or Alpa's layer-construction
+    decorators), one stage per piece, run in this process on one micro-batch, each stage a program of its own, so
+    a pipeline's cutting and its numerics can be checked without a cluster. Alpa runs every stage on one device;
+    here each stage gets an equal share of this process's devices (``UniformStageOption()``), so their number
+    must divide by the number of pieces."""
+
+    def __init__(self) -> None:
+        super().__init__(None, 1, None, "1f1b", "manual", UniformStageOption())
 
 
 @dataclass(frozen=True)

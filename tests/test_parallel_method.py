@@ -169,6 +169,21 @@ def test_alpas_manual_layering_test_pattern(cluster):
     same_params(got, jax.jit(plain)(state, batch))
 
 
+def test_local_pipeline_parallel_runs_each_piece_as_a_stage_on_one_micro_batch():
+    """Alpa's debugging method (its pipeline tests' ``LocalPipelineParallel()``): the step cut at its boundaries,
+    one stage per piece on an equal share of this process's devices, one micro-batch; the new state is the
+    plain step's. Three pieces do not share 8 devices evenly: refused by name."""
+    train_step, plain, state, batch = boundaried(layers=2)
+    p_train_step = al.parallelize(train_step, donate_argnums=(), method=al.LocalPipelineParallel())
+    got = p_train_step(state, batch)
+    plan = p_train_step.current_plan
+    assert plan.num_microbatches == 1 and stages_of(plan) == [((0, 1), (1, 4), (1, 4)), ((1, 2), (1, 4), (1, 4))]
+    same_params(got, jax.jit(plain)(state, batch))
+    train_step, _, state, batch = boundaried(layers=3)
+    with pytest.raises(al.MethodOptionError, match="8 devices do not split evenly over 3 stages"):
+        al.parallelize(train_step, donate_argnums=(), method=al.LocalPipelineParallel())(state, batch)
+
+
 def test_manual_layers_without_boundaries_are_one_layer(mlp, cluster):
     """Alpa's manual layering without a boundary: the step is one layer (not 8 automatic ones)."""
     step = al.parallelize(mlp.train_step, cluster=cluster,
