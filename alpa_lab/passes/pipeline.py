@@ -61,7 +61,7 @@ from alpa_lab.passes.schedule import (
     INFERENCE, BACKWARD_INPUT, BACKWARD_WEIGHT, SPLIT_BACKWARD, WARMUP_SCHEDULES, Schedule, Timeline, make_schedule, one_f_one_b_estimate,
     one_f_one_b_windows, simulate, warmup_makespan, warmup_peaks, warmup_timeline,
 )
-from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, slice_program, weight_gradient_ops
+from alpa_lab.passes.stages import APPLY, BACKWARD, FORWARD, ProgramSlicing, _is_marker, slice_program, weight_gradient_ops
 from alpa_lab.passes.submesh import PlacementError, check_submesh_space, even_submesh, place_submeshes, submesh_shapes
 from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError, StageResult, memory_per_mesh
@@ -857,12 +857,8 @@ def _by_layer(graph: OpGraph, slicing: ProgramSlicing, ops: Sequence[int]) -> li
     10, 11, 9 and the stage of 3-5 update 3, 4, 5, two programs that differ in more than names, so the
     second could not take the first's plan (``relabel``)."""
     phase, layer = slicing.phase, slicing.layer
-
-    def per_parameter(i: int) -> bool:
-        op = graph.ops[i]
-        return phase[i] == APPLY or (op.primitive == "pipeline_marker" and op.params.get("kind") == "gradient")
-
-    key = {i: (1, layer[i], i) if per_parameter(i) else (0, 0, i) for i in ops}
+    per_parameter = {i for i in ops if phase[i] == APPLY or _is_marker(graph.ops[i], "gradient")}
+    key = {i: (1, layer[i], i) if i in per_parameter else (0, 0, i) for i in ops}
     readers: dict[int, list[int]] = {i: [] for i in ops}
     waiting = dict.fromkeys(ops, 0)
     for i in ops:
@@ -1732,8 +1728,8 @@ def _relocated(problem: PipelineProblem, inter: InterOpPlan, rule: Callable[[int
                 continue
             others = [j for j in members if config[j] != config[i]]
             step = max(len(others) / RELOCATIONS, 1.0)
-            for n in range(min(len(others), RELOCATIONS)):
-                moves.setdefault(frozenset((i, others[int(n * step)])), (i, others[int(n * step)]))
+            for j in (others[int(n * step)] for n in range(min(len(others), RELOCATIONS))):
+                moves.setdefault(frozenset((i, j)), (i, j))
     trades = list(moves.values())
     if not trades:
         return None
