@@ -78,6 +78,16 @@ def test_magic_submesh_space(ip):
         ip.run_cell_magic("parallelize", "--cluster local:3x1 --microbatches 4 --submesh-space pow2 --args state,batch", CELL)
 
 
+def test_magic_logical_meshes(ip):
+    """``--logical-meshes same_as_physical``: every stage keeps its sub-mesh's own shape; a bad space is a usage error."""
+    line = "--cluster local:1x4 --microbatches 4 --layers 3 --logical-meshes same_as_physical --args state,batch --name s --no-display"
+    ip.run_cell_magic("parallelize", line, CELL)
+    assert ip.user_ns["train_step"].logical_meshes == "same_as_physical"
+    assert ip.user_ns["s"].stages and all(st.logical_shape == st.submesh_shape for st in ip.user_ns["s"].stages)
+    with pytest.raises(UsageError, match="unknown logical mesh space 'dp'"):
+        ip.run_cell_magic("parallelize", "--cluster local:1x4 --microbatches 4 --logical-meshes dp --args state,batch", CELL)
+
+
 def test_magic_without_args_only_wraps(ip):
     ip.run_cell_magic("parallelize", "--cluster p3.16xlarge:2", CELL)
     step = ip.user_ns["train_step"]

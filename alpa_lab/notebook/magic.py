@@ -64,6 +64,9 @@ class ParallelizeMagics(Magics):
     @argument("--max-stages", type=int, default=None, help="at most this many pipeline stages")
     @argument("--cost-model", default="analytic", help="analytic (FLOPs, bytes, links) or profile (stages timed on the devices)")
     @argument("--submesh-space", default="all", help="whole-host sub-meshes the stage DP tries: all or power_of_two (fast on many hosts)")
+    @argument("--logical-meshes", default="all", help="logical meshes the stage DP tries per sub-mesh: all, "
+              "single_node_model_parallel (Alpa's: model parallelism inside a host), same_as_physical, data_parallel_only "
+              "or model_parallel_only")
     @argument("--remat", action="store_true", help="recompute each pipeline layer in the backward (jax.checkpoint per layer): less memory")
     @argument("--device-memory", type=float, default=None, help="GiB per device (default: the cluster's), e.g. to see memory limits")
     @argument("--memory-budget", type=str, default=None, help="bytes per device (single-mesh plans): 16e9 or 16GB")
@@ -136,6 +139,7 @@ class ParallelizeMagics(Magics):
                 cost_model=opts.cost_model,
                 remat=opts.remat,
                 submesh_space=opts.submesh_space,
+                logical_meshes=opts.logical_meshes,
                 batch_argnums=batch_argnums,
             )
         except ValueError as err:  # bad option combinations: say which, and keep the old binding
