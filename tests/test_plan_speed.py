@@ -869,3 +869,32 @@ def test_single_node_model_parallel_keeps_the_data_parallel_axes_that_split_the_
     priced = {(key[1], key[2]) for key in problem.layer_costs}
     assert priced <= allowed | twins and ((1, 4), (2, 2)) not in priced and ((2, 4), (2, 4)) in priced
     assert all((st.submesh_shape, st.logical_shape) in allowed for st in stages)
+
+
+def test_the_microbatch_size_is_read_from_the_arguments_cut_into_microbatches():
+    """A step returning reduced gradients, not a new state: every argument looks like data, and the weights (leading
+    128) outnumber the batch (8 rows, 4 per micro-batch; named, as such a step needs), so a vote over the data leaves
+    says 128. The size the logical mesh space reads is the cut arguments'. Oracle: the batch's own shape over the
+    micro-batches."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {f"w{i}": jax.random.normal(k, (128, 128)) / 12 for i, k in enumerate(keys)}
+    batch = {"x": jnp.ones((8, 128)), "y": jnp.zeros((8, 128))}
+
+    def grad_step(params, batch):
+        def loss(p, x, y):
+            for i in range(3):
+                x = jnp.tanh(x @ p[f"w{i}"])
+            return jnp.mean((x - y) ** 2)
+
+        grads = al.grad(loss)(params, batch["x"], batch["y"])
+        return [grads[f"w{i}"].sum(axis=0) for i in range(3)]  # not the shape of any argument: nothing is state
+
+    step = al.parallelize(grad_step, cluster=al.ClusterSpec.local(1, 4), microbatches=2, layers=3, batch_argnums=(1,),
+                          logical_meshes="single_node_model_parallel")
+    plan = step.plan(params, batch)
+    problem = plan.problem
+    assert sorted(plan.split_inputs) == ["[1]['x']", "[1]['y']"]
+    cut = {v for v, path in zip(problem.graph.invars, problem.graph.in_paths) if path.startswith("[1]")}
+    assert problem.split_vars == cut and problem.microbatch_size() == 4
+    assert dataclasses.replace(problem, batch_vars=None).microbatch_size() == 4  # the cut, named or not
+    assert PipelineProblem.build(problem.graph, problem.cluster).microbatch_size() == 128  # the vote, not told the cut

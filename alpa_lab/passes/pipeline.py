@@ -75,14 +75,18 @@ def in_logical_space(
     space: str, submesh: Shape, logical: Shape, devices_per_host: int, microbatch_size: int | None = None
 ) -> bool:
     """Whether the stage DP tries ``logical`` on ``submesh`` in ``space``: "all" every 2-D view;
-    "single_node_model_parallel" (n / k, k) with the model-parallel axis k inside a host and the data-parallel
-    axis n / k dividing the micro-batch (``microbatch_size``; None: any), or the sub-mesh's own shape, as Alpa's
-    ``get_one_submesh_autosharding_config_choices``; "same_as_physical" the sub-mesh's own shape;
-    "data_parallel_only" (n, 1); "model_parallel_only" (1, n).
+    "single_node_model_parallel" (n / k, k) with the model-parallel axis k dividing a host's devices and the
+    data-parallel axis n / k dividing the micro-batch (``microbatch_size``; None: any), or the sub-mesh's own
+    shape; "same_as_physical" the sub-mesh's own shape; "data_parallel_only" (n, 1); "model_parallel_only" (1, n).
 
-    Why the micro-batch rule: a data-parallel axis that cannot split the micro-batch only has the model's own
-    dimensions left to split, which the model-parallel views and the sub-mesh's own shape already offer; GPT-39B
-    with 1,024 micro-batches of one sequence on 64 devices prices 7 meshes per layer instead of 19."""
+    "single_node_model_parallel" is Alpa's pruning of the views (``get_one_submesh_autosharding_config_choices``),
+    with two differences: Alpa takes any k up to a host's devices that divides n (here k divides a host's devices,
+    so a model-parallel group never straddles hosts; the two agree on power-of-two hosts), and forces the batch onto
+    axis 0 of the (n / k, k) views (here the ILP places it). It is a heuristic, not a lossless cut: a data-parallel
+    axis that cannot split the micro-batch could still split the model's own dimensions (2-D model parallelism on
+    (2, 4)), which this space gives up for planning speed (GPT-39B with 1,024 micro-batches of one sequence on 64
+    devices prices 7 meshes per layer instead of 19; on every GPT and Wide-ResNet row of ``benchmarks/plan_time.py``
+    the simulated step stayed the same). ``"all"`` keeps every view."""
     if space == "single_node_model_parallel":
         if tuple(logical) == tuple(submesh):
             return True
@@ -214,6 +218,9 @@ class PipelineProblem:
     logical_meshes: str = "all"
     submesh_space: str = "all"
     """the DP's search space of the last ``plan_pipeline`` (re-plans search the same one)"""
+    split_vars: frozenset[int] | None = None
+    """the program's arguments cut into micro-batches (the API's cut, ``plan_pipeline(split_vars=)``); None where it
+    was not said: what ``microbatch_size`` reads first"""
     batch_vars: frozenset[int] | None = None
     """the program's batch arguments where the user named them (``parallelize(batch_argnums=)``): what the
     data-parallel methods split in each layer and stage; None: each piece's data leaves leading with the
@@ -273,15 +280,16 @@ class PipelineProblem:
         factor = 1.0 + sizes["optimizer_state"] / sizes["param"] if sizes["param"] else 1.0
         problem = cls(
             graph, slicing, cluster, kinds, tuple(layer_keys), reuse=reuse, saved=saved, state_factor=factor, consumers=consumers,
-            inference=inference,
+            inference=inference, split_vars=batch,
         )
         problem.seconds["slicing"] = time.perf_counter() - t0
         return problem
 
     def microbatch_size(self) -> int | None:
-        """The micro-batch's size: the leading dimension the batch arguments share (those the user named, else the
-        program's data; ``graph.analysis.batch_dimension``); None where they have none."""
-        batch = self.batch_vars if self.batch_vars is not None else self.slicing.data
+        """The micro-batch's size: the leading dimension the arguments cut into micro-batches share (``split_vars``;
+        else those the user named; else the program's data, ``graph.analysis.batch_dimension``, which for a step
+        returning no state counts its weights too); None where they have none."""
+        batch = next((b for b in (self.split_vars, self.batch_vars) if b is not None), self.slicing.data)
         return batch_dimension([tuple(self.graph.vars[v].shape) for v in batch])
 
     def piece_batch(self, piece: Subgraph) -> frozenset[int] | None:
@@ -744,7 +752,7 @@ class PipelineProblem:
         t0 = time.perf_counter()
         new = PipelineProblem.build(self.graph, cluster, reuse=self.reuse)
         new.forbidden, new.weight_update_sharding = self.forbidden, self.weight_update_sharding
-        new.stage_timer, new.batch_vars = self.stage_timer, self.batch_vars
+        new.stage_timer, new.batch_vars, new.split_vars = self.stage_timer, self.batch_vars, self.split_vars
         new.batch_mesh_axis, new.stage_batch_axes = self.batch_mesh_axis, dict(self.stage_batch_axes)
         new.logical_meshes, new.submesh_space = self.logical_meshes, plan.submesh_space
         if plan.stage_pins:
@@ -1339,8 +1347,8 @@ def plan_pipeline(
 
     ``logical_meshes`` is the space of logical mesh shapes per sub-mesh (``in_logical_space``): ``"all"`` 2-D
     views, or one of Alpa's: ``"single_node_model_parallel"``, (n / k, k) with the model-parallel axis k
-    inside one host, which prices far fewer meshes on a large cluster; ``"same_as_physical"``;
-    ``"data_parallel_only"``.
+    inside one host and n / k dividing the micro-batch, and the sub-mesh's own shape, which prices far fewer
+    meshes on a large cluster; ``"same_as_physical"``; ``"data_parallel_only"``; ``"model_parallel_only"``.
     ``submesh_space`` is the space of sub-mesh shapes (``submesh.SUBMESH_SPACES``): ``"all"``
     whole-host counts 2..N as the paper, or ``"power_of_two"`` as Alpa's implementation
     (log2 N shapes instead of N - 1: what makes 128 hosts plannable; the DP's optimum is then
@@ -1374,6 +1382,8 @@ def plan_pipeline(
             f"{'the inference schedule' if problem.inference else 'a training schedule (1f1b, gpipe, ...)'}, not {schedule!r}")
     if batch_vars is not None:
         problem.batch_vars = batch_vars
+    if split_vars is not None:
+        problem.split_vars = split_vars
     problem.batch_mesh_axis = batch_mesh_axis
     problem.set_weight_update_sharding(weight_update_sharding)
     problem.stage_batch_axes.clear()  # what an earlier fixed plan or a loaded one forced: this plan's come below
