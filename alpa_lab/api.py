@@ -36,6 +36,7 @@ from alpa_lab.passes.methods import METHODS, MethodError, MethodSolution, make_p
 from alpa_lab.parallel_method import CreateStateParallel, FollowParallel, MethodOptionError, ParallelMethod, PlanMethod
 from alpa_lab.passes.pipeline import LOGICAL_MESH_SPACES, PipelineProblem, in_flight_rule, plan_pipeline, stage_schedule
 from alpa_lab.passes.schedule import INFERENCE, SCHEDULES
+from alpa_lab.passes.stages import APPLY
 from alpa_lab.passes.submesh import check_submesh_space
 from alpa_lab.plan import PinError, PipelinePlan, Plan, PlanFormatError
 from alpa_lab.sharding.constraints import DeviceError
@@ -1685,15 +1686,43 @@ class Executable:
         forward stages first to last, the backward stages in the order they run (last to first), then each
         stage's update (Alpa's tests index them so: ``texts[0]`` is stage 0's forward, ``texts[-1]`` the last update)."""
         if isinstance(self.compiled, CompiledPipeline):
-            order = {"forward": 0, "backward": 1, "backward_input": 1, "backward_weight": 2, "apply": 3}
-
-            def alpa_order(key: tuple[int, str]) -> tuple[int, int]:
-                stage, phase = key
-                rank = order.get(phase, 4)
-                return rank, (-stage if rank in (1, 2) else stage)
-
-            return [text for _, text in sorted(self.compiled.task_hlo().items(), key=lambda kv: alpa_order(kv[0]))]
+            return [text for _, text in sorted(self.compiled.task_hlo().items(), key=lambda kv: _alpa_task_order(kv[0]))]
         return self.compiled.lower_text(*self.flat_args)
+
+    def get_stage_execution_info(self) -> list[list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]]:
+        """Alpa's name: per unit task of the pipeline, in ``get_hlo_text``'s order (the stages' forwards, their
+        backwards last stage first, their updates), the (start, end, hosts, devices) of every run of it so far, in
+        the order they started: ``time.time()`` seconds, the hosts and devices of its stage's sub-mesh. A step's update
+        pieces on one stage count as one run, and so do a stage's workers on several hosts. In this process the last
+        ``runtime.pipeline.TRACE_CALLS`` calls are kept; a step running on Ray's mesh workers reports their events (the
+        last ``mesh_worker.EVENTS_KEPT`` of each worker, in the driver's clock)."""
+        if not isinstance(self.compiled, CompiledPipeline):
+            raise ValueError("a single-mesh program has no pipeline stages; plan with micro-batches (a pipeline) to time its stages")
+        cp = self.compiled
+        keys = sorted({k for k, t in cp.tasks.items() if t.invars or t.outvars} | {(t.stage, APPLY) for t in cp.update},
+                      key=_alpa_task_order)
+        spans: dict[tuple, tuple[float, float]] = {}  # (call, stage, phase, micro-batch; -1: the update) -> first start, last end
+
+        def add(tag: tuple, a: float, b: float) -> None:
+            lo, hi = spans.get(tag, (a, b))
+            spans[tag] = (min(lo, a), max(hi, b))
+
+        ray_run = getattr(self.step, "ray_run", None)
+        if ray_run is not None:
+            for e in ray_run.events():
+                if e.kind == "run":
+                    add((e.step, e.stage, e.phase, -1 if e.phase == APPLY else e.microbatch), e.start, e.end)
+        else:
+            for call, (wall, records) in enumerate(cp.trace):
+                for stage, phase, mb, a, b in records:
+                    add((call, stage, phase, mb), wall + a, wall + b)
+        per_host = self.plan.cluster["devices_per_host"]
+        where = {st.index: (tuple(sorted({d // per_host for d in st.device_ids})), tuple(st.device_ids)) for st in cp.stages}
+        runs: dict[tuple[int, str], list[tuple]] = {k: [] for k in keys}
+        for (_, stage, phase, _), (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
+            if (stage, phase) in runs:
+                runs[(stage, phase)].append((a, b, *where[stage]))
+        return [runs[k] for k in keys]
 
     @property
     def plan(self) -> Plan | PipelinePlan:
@@ -1755,6 +1784,14 @@ def _dummy_like(x: Any) -> Any:
     if getattr(x, "weak_type", False) and tuple(x.shape) == ():  # a Python number's place: one, or the jit compiles anew
         return np.zeros((), dtype).item()
     return jnp.zeros(x.shape, dtype)
+
+
+def _alpa_task_order(key: tuple[int, str]) -> tuple[int, int]:
+    """Alpa's order of a pipeline's unit tasks (``Executable.get_hlo_text``): the forwards first to last stage, the
+    backwards as they run (last stage first), then the updates (Alpa's tests index them so)."""
+    stage, phase = key
+    rank = {"forward": 0, "backward": 1, "backward_input": 1, "backward_weight": 2, "apply": 3}.get(phase, 4)
+    return rank, (-stage if rank in (1, 2) else stage)
 
 
 def _cut_vars(graph: OpGraph, split: tuple[bool, ...]) -> frozenset[int]:

@@ -778,3 +778,57 @@ def test_force_data_parallel_keeps_attention_layers_data_parallel_inside():
     assert counts[0][0] == 0 and counts[1][0] == 0, counts  # forward of stages 0 and 1
     assert_close(jax.jit(step)(state, batch)[0].params, p(state, batch)[0].params, "params")
 
+
+
+def test_stage_execution_info_is_every_run_of_every_unit_task():
+    """Alpa's ``get_stage_execution_info``: per unit task in ``get_hlo_text``'s order (forwards, backwards last stage
+    first, updates), the (start, end, hosts, devices) of each run of the calls so far. Two stages, two micro-batches,
+    two calls: 6 tasks, 4 runs of each forward and backward, 2 of each update. Oracle: the runtime's own records of
+    each call (``last_timings``) and the dataflow (a micro-batch's forward on stage 1 starts after stage 0's ends)."""
+    from alpa_lab.models import tiny_example
+
+    ex = tiny_example("mlp")
+    step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=2, layers=4)
+    step.use(step.plan(*ex.args).pin_stages([[0, 1], [2, 3]], submeshes=[(1, 4), (1, 4)]))
+    state, calls = ex.state, []
+    for _ in range(2):
+        state, _ = step(state, ex.batch)
+        calls.append(step.compiled(*ex.args).last_timings["records"])
+    executable = step.get_last_executable()
+    info = executable.get_stage_execution_info()
+    assert len(info) == 6 == len(executable.get_hlo_text())
+    assert [len(runs) for runs in info] == [4, 4, 4, 4, 2, 2]
+    assert all(a <= b for runs in info for a, b, *_ in runs)
+    assert [runs[0][2:] for runs in info] == [((0,), (0, 1, 2, 3)), ((1,), (4, 5, 6, 7)), ((1,), (4, 5, 6, 7)),
+                                              ((0,), (0, 1, 2, 3)), ((0,), (0, 1, 2, 3)), ((1,), (4, 5, 6, 7))]
+    forward0, forward1 = info[0], info[1]
+    for m in range(4):  # micro-batch m of the calls in turn: stage 1 reads what stage 0 made
+        assert forward1[m][0] >= forward0[m][1]
+    durations = sorted(b - a for r in calls for s, phase, mb, a, b in r if (s, phase) == (0, "forward"))
+    assert sorted(b - a for a, b, *_ in forward0) == pytest.approx(durations, abs=1e-6)  # time.time()'s resolution
+    single = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4))
+    single(ex.state, ex.batch)
+    with pytest.raises(ValueError, match="no pipeline stages"):
+        single.get_last_executable().get_stage_execution_info()
+
+
+def test_stage_execution_info_of_a_step_on_ray_is_its_mesh_workers_runs():
+    """Alpa's test_tracing: under ``init()`` (Ray) a two-stage MLP, two micro-batches, two calls: the runs are the
+    mesh workers' RUN events (each worker's share of a stage merged into one run), in the same shape as in-process."""
+    from alpa_lab.testing import get_mlp_train_state_and_step
+
+    state, batch, train_step = get_mlp_train_state_and_step(batch_size=128, hidden_size=128, add_manual_pipeline_marker=True)
+    al.init()
+    try:
+        step = al.parallelize(train_step, method=al.PipeshardParallel(num_micro_batches=2, layer_option="manual"))
+        for _ in range(2):
+            state, _ = step(state, batch)
+        info = step.get_last_executable().get_stage_execution_info()
+        stages = len(step.current_plan.stages)
+        assert len(info) == 3 * stages
+        assert [len(runs) for runs in info] == [4] * (2 * stages) + [2] * stages
+        assert all(a <= b for runs in info for a, b, *_ in runs)
+        assert all(runs == sorted(runs) for runs in info)
+        assert {runs[0][3] for runs in info} == {tuple(st.device_ids) for st in step.current_plan.stages}
+    finally:
+        al.shutdown()

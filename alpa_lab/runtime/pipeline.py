@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,6 +37,10 @@ from alpa_lab.runtime.apply import DeviceError, compile_graph
 from alpa_lab.sharding.spec import ShardingSpec
 
 __all__ = ["CompiledPipeline", "PipelineRunError", "compile_pipeline", "split_microbatches", "walk_schedule"]
+
+TRACE_CALLS = 1000
+"""calls whose unit-task records ``CompiledPipeline.trace`` keeps (Alpa's ``get_stage_execution_info``): a long
+training loop keeps its last ones, a bounded memory"""
 
 
 class PipelineRunError(RuntimeError):
@@ -82,6 +86,9 @@ class CompiledPipeline:
     profiled, (stage, var, micro-batch, bytes, start, end) transfers: each tensor a stage got from another mesh, and
     ``link_bytes``: (sending stage, receiving stage) -> the bytes that landed on the receiving stage's devices in the
     step (each device's shard, counted from the arrays: what the Traffic view predicts from the unit tasks)."""
+    trace: deque = field(default_factory=lambda: deque(maxlen=TRACE_CALLS))
+    """the last ``TRACE_CALLS`` calls' (start, records): the call's start (``time.time()``, as a mesh worker's events)
+    and its ``last_timings["records"]``, whose times count from it"""
     profile: bool = False
     """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
     or transfer times; and for each tensor from another mesh on its own, as a mesh worker's RECV (its span is its
@@ -409,6 +416,7 @@ def _run(cp: CompiledPipeline, flat_args: Sequence[Any]) -> list[Any]:
     for stage, phase, mb, start, end in records:
         if mb >= 0:
             per_task[(stage, phase)] += end - start
+    cp.trace.append((time.time() - (time.perf_counter() - t0), tuple(records)))  # the call's start, wall clock
     cp.last_timings = {
         "seconds": time.perf_counter() - t0, "dispatch_seconds": dict(per_task), "records": records, "transfers": transfers,
         "link_bytes": link_bytes,
