@@ -1693,8 +1693,8 @@ class Executable:
         """Alpa's name: per unit task of the pipeline, in ``get_hlo_text``'s order (the stages' forwards, their
         backwards last stage first, their updates), the (start, end, hosts, devices) of every run of it so far, in
         the order they started: ``time.time()`` seconds, the hosts and devices of its stage's sub-mesh. A step's update
-        pieces on one stage count as one run, and so do a stage's workers on several hosts. In this process the last
-        ``runtime.pipeline.TRACE_CALLS`` calls are kept; a step running on Ray's mesh workers reports their events (the
+        pieces on one stage count as one run, and so do a stage's workers on several hosts. In this process the last calls
+        holding ``runtime.pipeline.TRACE_RECORDS`` runs are kept; a step running on Ray's mesh workers reports their events (the
         last ``mesh_worker.EVENTS_KEPT`` of each worker, in the driver's clock)."""
         if not isinstance(self.compiled, CompiledPipeline):
             raise ValueError("a single-mesh program has no pipeline stages; plan with micro-batches (a pipeline) to time its stages")

@@ -786,6 +786,7 @@ def test_stage_execution_info_is_every_run_of_every_unit_task():
     two calls: 6 tasks, 4 runs of each forward and backward, 2 of each update. Oracle: the runtime's own records of
     each call (``last_timings``) and the dataflow (a micro-batch's forward on stage 1 starts after stage 0's ends)."""
     from alpa_lab.models import tiny_example
+    from alpa_lab.runtime import pipeline as pipeline_runtime
 
     ex = tiny_example("mlp")
     step = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(2, 4), microbatches=2, layers=4)
@@ -806,6 +807,9 @@ def test_stage_execution_info_is_every_run_of_every_unit_task():
         assert forward1[m][0] >= forward0[m][1]
     durations = sorted(b - a for r in calls for s, phase, mb, a, b in r if (s, phase) == (0, "forward"))
     assert sorted(b - a for a, b, *_ in forward0) == pytest.approx(durations, abs=1e-6)  # time.time()'s resolution
+    cp = step.compiled(*ex.args)
+    per_call = len(cp.tasks) * cp.num_microbatches + len(cp.update)
+    assert len(cp.trace) == 2 and cp.trace.maxlen == pipeline_runtime.TRACE_RECORDS // per_call  # a bounded memory
     single = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4))
     single(ex.state, ex.batch)
     with pytest.raises(ValueError, match="no pipeline stages"):

@@ -38,9 +38,9 @@ from alpa_lab.sharding.spec import ShardingSpec
 
 __all__ = ["CompiledPipeline", "PipelineRunError", "compile_pipeline", "split_microbatches", "walk_schedule"]
 
-TRACE_CALLS = 1000
-"""calls whose unit-task records ``CompiledPipeline.trace`` keeps (Alpa's ``get_stage_execution_info``): a long
-training loop keeps its last ones, a bounded memory"""
+TRACE_RECORDS = 100_000
+"""unit-task runs whose records ``CompiledPipeline.trace`` keeps, whole calls (Alpa's ``get_stage_execution_info``):
+a long training loop keeps its last calls in a bounded memory (a few MB), at least one however many runs a call has"""
 
 
 class PipelineRunError(RuntimeError):
@@ -86,13 +86,17 @@ class CompiledPipeline:
     profiled, (stage, var, micro-batch, bytes, start, end) transfers: each tensor a stage got from another mesh, and
     ``link_bytes``: (sending stage, receiving stage) -> the bytes that landed on the receiving stage's devices in the
     step (each device's shard, counted from the arrays: what the Traffic view predicts from the unit tasks)."""
-    trace: deque = field(default_factory=lambda: deque(maxlen=TRACE_CALLS))
-    """the last ``TRACE_CALLS`` calls' (start, records): the call's start (``time.time()``, as a mesh worker's events)
-    and its ``last_timings["records"]``, whose times count from it"""
+    trace: deque = field(default_factory=deque)
+    """the last calls' (start, records), as many as hold ``TRACE_RECORDS`` runs: the call's start (``time.time()``, as
+    a mesh worker's events) and its ``last_timings["records"]``, whose times count from it"""
     profile: bool = False
     """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
     or transfer times; and for each tensor from another mesh on its own, as a mesh worker's RECV (its span is its
     transfer, not the puts issued beside it)."""
+
+    def __post_init__(self) -> None:
+        runs = len(self.tasks) * self.num_microbatches + len(self.update)  # the records of one call
+        self.trace = deque(self.trace, maxlen=max(1, TRACE_RECORDS // max(runs, 1)))
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
