@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import jax
@@ -1237,7 +1238,7 @@ class ParallelizedStep:
                     and [st.plan for st in old.stages] == [st.plan for st in plan.stages]
                     and [st.device_ids for st in old.stages] == [st.device_ids for st in plan.stages]
                 ):
-                    compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan)  # same tasks
+                    compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan, trace=deque())  # same tasks
                 else:
                     pieces = [plan.problem.piece(st.layers) for st in plan.stages]
                     compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, self._split(*args), pieces=pieces)
@@ -1691,11 +1692,13 @@ class Executable:
 
     def get_stage_execution_info(self) -> list[list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]]:
         """Alpa's name: per unit task of the pipeline, in ``get_hlo_text``'s order (the stages' forwards, their
-        backwards last stage first, their updates), the (start, end, hosts, devices) of every run of it so far, in
-        the order they started: ``time.time()`` seconds, the hosts and devices of its stage's sub-mesh. A step's update
-        pieces on one stage count as one run, and so do a stage's workers on several hosts. In this process the last calls
-        holding ``runtime.pipeline.TRACE_RECORDS`` runs are kept; a step running on Ray's mesh workers reports their events (the
-        last ``mesh_worker.EVENTS_KEPT`` of each worker, in the driver's clock)."""
+        backwards last stage first, their updates), the (start, end, hosts, devices) of its runs, in the order they
+        started: ``time.time()`` seconds, the hosts and devices of its stage's sub-mesh. A step's update pieces on one
+        stage count as one run (its span can hold another stage's pieces), and so do a stage's workers on several hosts.
+        Runs in this process: the last calls of this plan holding ``runtime.pipeline.TRACE_RECORDS`` runs, timed from
+        dispatch to dispatch unless the pipeline is profiled (``profile``: each run waited for). Runs on Ray's mesh
+        workers: the current ``RayRun``'s RUN events of this plan (in the driver's clock; the driver keeps the last
+        ``mesh_worker.EVENTS_KEPT`` events of all its workers); a relaunched run starts afresh."""
         if not isinstance(self.compiled, CompiledPipeline):
             raise ValueError("a single-mesh program has no pipeline stages; plan with micro-batches (a pipeline) to time its stages")
         cp = self.compiled
@@ -1708,18 +1711,17 @@ class Executable:
             spans[tag] = (min(lo, a), max(hi, b))
 
         ray_run = getattr(self.step, "ray_run", None)
-        if ray_run is not None:
+        if ray_run is not None and ray_run.plan is cp.plan:  # a run of another plan is not this executable's
             for e in ray_run.events():
                 if e.kind == "run":
-                    add((e.step, e.stage, e.phase, -1 if e.phase == APPLY else e.microbatch), e.start, e.end)
-        else:
-            for call, (wall, records) in enumerate(cp.trace):
-                for stage, phase, mb, a, b in records:
-                    add((call, stage, phase, mb), wall + a, wall + b)
+                    add(("ray", e.step, e.stage, e.phase, -1 if e.phase == APPLY else e.microbatch), e.start, e.end)
+        for call, (wall, records) in enumerate(cp.trace):
+            for stage, phase, mb, a, b in records:
+                add(("here", call, stage, phase, mb), wall + a, wall + b)
         per_host = self.plan.cluster["devices_per_host"]
         where = {st.index: (tuple(sorted({d // per_host for d in st.device_ids})), tuple(st.device_ids)) for st in cp.stages}
         runs: dict[tuple[int, str], list[tuple]] = {k: [] for k in keys}
-        for (_, stage, phase, _), (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
+        for (_, _, stage, phase, _), (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
             if (stage, phase) in runs:
                 runs[(stage, phase)].append((a, b, *where[stage]))
         return [runs[k] for k in keys]

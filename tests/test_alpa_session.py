@@ -810,6 +810,8 @@ def test_stage_execution_info_is_every_run_of_every_unit_task():
     cp = step.compiled(*ex.args)
     per_call = len(cp.tasks) * cp.num_microbatches + len(cp.update)
     assert len(cp.trace) == 2 and cp.trace.maxlen == pipeline_runtime.TRACE_RECORDS // per_call  # a bounded memory
+    step.use(step.current_plan.with_schedule("gpipe"))  # the same tasks, another plan: none of its runs yet
+    assert all(runs == [] for runs in step.get_last_executable().get_stage_execution_info())
     single = al.parallelize(ex.train_step, cluster=al.ClusterSpec.local(1, 4))
     single(ex.state, ex.batch)
     with pytest.raises(ValueError, match="no pipeline stages"):

@@ -40,7 +40,7 @@ __all__ = ["CompiledPipeline", "PipelineRunError", "compile_pipeline", "split_mi
 
 TRACE_RECORDS = 100_000
 """unit-task runs whose records ``CompiledPipeline.trace`` keeps, whole calls (Alpa's ``get_stage_execution_info``):
-a long training loop keeps its last calls in a bounded memory (a few MB), at least one however many runs a call has"""
+a long training loop keeps its last calls in a bounded memory (about 14 MB), at least one however many runs a call has"""
 
 
 class PipelineRunError(RuntimeError):
