@@ -16,7 +16,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import jax
@@ -44,6 +43,7 @@ from alpa_lab.sharding.constraints import DeviceError
 from alpa_lab.sharding.spec import ShardingSpec
 from alpa_lab.runtime.apply import CompiledPlan, call_compiled, compile_plan
 from alpa_lab.runtime.pipeline import CompiledPipeline, compile_pipeline
+from alpa_lab.runtime.program import mesh_placements
 
 if TYPE_CHECKING:
     from alpa_lab.runtime.ray_cluster import RayCluster
@@ -1238,7 +1238,7 @@ class ParallelizedStep:
                     and [st.plan for st in old.stages] == [st.plan for st in plan.stages]
                     and [st.device_ids for st in old.stages] == [st.device_ids for st in plan.stages]
                 ):
-                    compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan, trace=deque())  # same tasks
+                    compiled = dataclasses.replace(old, schedule=sched, stages=plan.stages, plan=plan)  # same tasks
                 else:
                     pieces = [plan.problem.piece(st.layers) for st in plan.stages]
                     compiled = compile_pipeline(graph, plan.problem.slicing, plan.stages, sched, self._split(*args), pieces=pieces)
@@ -1718,8 +1718,8 @@ class Executable:
         for call, (wall, records) in enumerate(cp.trace):
             for stage, phase, mb, a, b in records:
                 add(("here", call, stage, phase, mb), wall + a, wall + b)
-        per_host = self.plan.cluster["devices_per_host"]
-        where = {st.index: (tuple(sorted({d // per_host for d in st.device_ids})), tuple(st.device_ids)) for st in cp.stages}
+        where = {s: (mesh.hosts, mesh.device_ids) for mesh in mesh_placements(cp, self.plan.cluster["devices_per_host"])
+                 for s in mesh.stages}
         runs: dict[tuple[int, str], list[tuple]] = {k: [] for k in keys}
         for (_, _, stage, phase, _), (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
             if (stage, phase) in runs:

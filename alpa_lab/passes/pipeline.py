@@ -1391,7 +1391,6 @@ def plan_pipeline(
     if stage_timer is not None:
         problem.stage_timer = stage_timer
     N, M = cluster.hosts, cluster.devices_per_host
-    batch = problem.microbatch_size()
     memory = cluster.device_memory
     if fixed is not None:
         ranges, submeshes, logicals = fixed(problem)
@@ -1404,6 +1403,7 @@ def plan_pipeline(
         check_memory(results, cluster)
         return problem, results, timeline
 
+    batch = problem.microbatch_size()  # the DP's logical meshes depend on it (``in_logical_space``)
     solved_before, last_report = len(problem.layer_costs), [time.perf_counter()]
 
     def report() -> None:  # at most twice a second: how many layer ILPs this plan has solved

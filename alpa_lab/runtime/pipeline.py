@@ -86,9 +86,10 @@ class CompiledPipeline:
     profiled, (stage, var, micro-batch, bytes, start, end) transfers: each tensor a stage got from another mesh, and
     ``link_bytes``: (sending stage, receiving stage) -> the bytes that landed on the receiving stage's devices in the
     step (each device's shard, counted from the arrays: what the Traffic view predicts from the unit tasks)."""
-    trace: deque = field(default_factory=deque)
+    trace: deque = field(init=False)
     """the last calls' (start, records), as many as hold ``TRACE_RECORDS`` runs: the call's start (``time.time()``, as
-    a mesh worker's events) and its ``last_timings["records"]``, whose times count from it"""
+    a mesh worker's events) and its ``last_timings["records"]``, whose times count from it. Empty in every new
+    CompiledPipeline, one made by ``dataclasses.replace`` for another plan included: its runs are its own"""
     profile: bool = False
     """wait for each unit task's inputs to arrive and for it to finish, so the records are run times, not dispatch
     or transfer times; and for each tensor from another mesh on its own, as a mesh worker's RECV (its span is its
@@ -96,7 +97,7 @@ class CompiledPipeline:
 
     def __post_init__(self) -> None:
         runs = len(self.tasks) * self.num_microbatches + len(self.update)  # the records of one call
-        self.trace = deque(self.trace, maxlen=max(1, TRACE_RECORDS // max(runs, 1)))
+        self.trace = deque(maxlen=max(1, TRACE_RECORDS // max(runs, 1)))
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         return _run(self, flat_args)
