@@ -31,6 +31,7 @@ RANK.update(
         "testing": RANK["api"],  # Alpa's test helpers: models and steps written against the public markers
         "util": RANK["api"],  # Alpa's alpa.util helpers: HLO counts, FLOP counts, a timing loop
         "cli": RANK["api"],  # the command line: calls the public API
+        "test_install": RANK["api"],  # `python -m alpa_lab.test_install`: runs the public API
         "parallel_method": RANK["api"],  # Alpa's method objects: the options parallelize takes
         "__main__": RANK["api"],
         "": RANK["api"],  # ``import alpa_lab``: the public namespace, the API and all below it

@@ -142,6 +142,10 @@ def test_wheel_carries_the_prebuilt_extension_and_installs_without_node(source, 
     assert "enabled" in words and "OK" in words, text
     assert "(python, alpa_lab)" in " ".join(words), text  # install.json: the package that brought it
 
+    # the installation check a user runs next finds it too (its other checks run in tests/test_installation_check.py)
+    checked = _run([python, "-m", "alpa_lab.test_install", "--skip", "shard,ray"], env, tmp_path, timeout=300)
+    assert checked.returncode == 0 and "ok    jupyterlab:" in checked.stdout, _out(checked)
+
 
 def test_editable_install_leaves_the_extension_to_jupyter_builder(source, tmp_path):
     """`pip install -e .` (what make does) installs no copy: `make labextension` links the built one."""
