@@ -14,7 +14,11 @@ dashboard's price of it.
 The issue's target is a ratio within 0.75-1.25 for every stage once calibrated; calibration
 itself should take under 60 s.
 
-    python benchmarks/calibration.py [--models mlp,gpt,moe,wide_resnet[,gpt350m]]
+    python benchmarks/calibration.py [--models mlp,gpt,moe,wide_resnet[,gpt350m]] [--kernels]
+
+``--kernels`` then times the tiny Wide-ResNet's convolutions alone (forward, input gradient, filter
+gradient) against what the calibrated roofline charges them: on XLA's CPU devices a filter gradient at
+these sizes runs 10-50x below the matmul's rate, which is what its stages' predictions miss.
 """
 
 from __future__ import annotations
@@ -82,9 +86,70 @@ def ratios(cluster: al.ClusterSpec, name: str, cost_model: str, stages: list, su
     return out
 
 
+CONV_SHAPES = ((2, 16, 3, 4, 1), (2, 16, 16, 8, 1), (2, 16, 32, 8, 1), (2, 16, 32, 16, 2), (2, 8, 64, 16, 1), (8, 16, 32, 32, 1))
+"""(batch, image size, in channels, out channels, stride) per device: 3x3 convolutions of the tiny Wide-ResNet's
+sizes once a 1x4 stage splits them (its planned stages split the channels 4 ways), and one whole (8, 32 -> 32)."""
+
+
+def conv_kernels(cluster: al.ClusterSpec, devices: list, repeats: int = 15, chain: int = 5) -> None:
+    """Each convolution's forward, input gradient and filter gradient, timed on ``devices`` at once (a chain of
+    ``chain`` in one program, per conv), against what the calibrated roofline charges it (its FLOPs at
+    ``device_flops`` plus ``op_overhead``): the part of Wide-ResNet's stage times the analytic model cannot see."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import shard_map
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(devices, dtype=object).reshape(1, len(devices)), ("x", "y"))
+    spec = PartitionSpec(("x", "y"))
+
+    def per_device(fn):  # each device runs fn on its own block: no collective
+        return jax.jit(shard_map(lambda *a: fn(*[t[0] for t in a])[None], mesh=mesh, in_specs=spec, out_specs=spec))
+
+    def chained(fn):  # ``chain`` convs in one program, each reading the last one's mean, so none is dropped or hoisted
+        def run(first, *rest):
+            for _ in range(chain):
+                first = first + 1e-9 * jnp.mean(fn(first, *rest))
+            return first
+        return run
+
+    def conv(x, w, stride):
+        return jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    rng = np.random.default_rng(0)
+    n = len(devices)
+    print(f"convolutions on {n} devices at once, per conv: measured ms (effective GF/s); the calibrated roofline charges "
+          f"FLOPs / {cluster.device_flops / 1e9:.1f} GF/s + {cluster.op_overhead * 1e6:.1f} us")
+    for batch, size, cin, cout, stride in CONV_SHAPES:
+        out = size // stride
+        x = jax.device_put(rng.standard_normal((n, batch, size, size, cin), dtype=np.float32), jax.NamedSharding(mesh, spec))
+        w = jax.device_put(rng.standard_normal((n, 3, 3, cin, cout), dtype=np.float32), jax.NamedSharding(mesh, spec))
+        gy = jax.device_put(rng.standard_normal((n, batch, out, out, cout), dtype=np.float32), jax.NamedSharding(mesh, spec))
+        flops = 2 * batch * out * out * cin * cout * 9
+        kinds = {
+            "forward": (per_device(chained(lambda x, w: conv(x, w, stride))), (x, w)),
+            "input grad": (per_device(chained(lambda g, x, w: jax.vjp(lambda x: conv(x, w, stride), x)[1](g)[0])), (gy, x, w)),
+            "filter grad": (per_device(chained(lambda g, x, w: jax.vjp(lambda w: conv(x, w, stride), w)[1](g)[0])), (gy, x, w)),
+        }
+        cells = []
+        for kind, (fn, fargs) in kinds.items():
+            jax.block_until_ready(fn(*fargs))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*fargs))
+                times.append((time.perf_counter() - t0) / chain)
+            t = statistics.median(times)
+            cells.append(f"{kind} {t * 1e3:.3f} ({flops / t / 1e9:.1f})")
+        roofline = flops / cluster.device_flops + cluster.op_overhead
+        print(f"  {batch}x{size}x{size}x{cin} -> {cout}, stride {stride}: {flops / 1e6:.2f} MFLOP, roofline {roofline * 1e3:.3f} ms;  "
+              + "  ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="mlp,gpt,moe,wide_resnet")
+    ap.add_argument("--kernels", action="store_true", help="also time the tiny Wide-ResNet's convolutions one by one")
     args = ap.parse_args()
     devices = jax.devices()
     hosts, per_host, stages, submeshes = layout(devices)
@@ -120,6 +185,8 @@ def main() -> None:
                 total += len(rows) if key == "calibrated" else 0
     for key, n in within.items():
         print(f"{key:10s} stage phases within 25% of measured: {n} of {total}")
+    if args.kernels:
+        conv_kernels(calibrated, devices[:per_host])
 
 
 if __name__ == "__main__":
