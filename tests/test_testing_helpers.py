@@ -22,32 +22,27 @@ LEARNING_RATE = 1e-2
 def run_against_serial(method, state, batch, train_step, steps):
     parallel = al.parallelize(train_step, method=method)
     expected = actual = state
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         expected, expected_val = jax.jit(train_step)(expected, batch)
         actual, actual_val = parallel(actual, batch)
-        rounding, (exp_params, act_params) = _key_biases(expected.params), (_key_biases(expected.params, drop=True),
-                                                                           _key_biases(actual.params, drop=True))
-        assert_allclose(exp_params, act_params, 1e-3, 1e-3)
-        # an attention's key bias has a zero gradient in exact arithmetic (softmax ignores a constant added to a row of
-        # scores): what is left is rounding, which Adam's g / (|g| + eps) turns into steps of up to its learning rate,
-        # so the parallel and serial steps agree on it only to that (measured: up to 1.1e-3 apart, on this machine)
-        for path, value in rounding.items():
-            np.testing.assert_allclose(np.asarray(value), np.asarray(_leaf(actual.params, path)), atol=LEARNING_RATE, err_msg=path)
+        (exp_rest, exp_keys), (act_rest, act_keys) = _split_key_biases(expected.params), _split_key_biases(actual.params)
+        assert_allclose(exp_rest, act_rest, 1e-3, 1e-3)
+        # An attention's key bias has a zero gradient in exact arithmetic (softmax ignores a constant added to a row of
+        # scores): what is left is rounding, which Adam's g / (|g| + eps) turns into a step of up to its learning rate,
+        # either way on either side. So the two agree on it only to twice that per step (measured here: up to 1.1e-3
+        # after one); this only guards against a blow-up, since the key bias cannot change the outputs.
+        assert_allclose(exp_keys, act_keys, 0.0, 2 * LEARNING_RATE * step)
         assert_allclose(expected_val, actual_val, 1e-3, 1e-3)
     return parallel
 
 
-def _key_biases(params, drop=False):
-    """The attention key biases by path, or (``drop``) the params without them."""
-    found, kept = {}, {}
+def _split_key_biases(params):
+    """(every parameter but the attention key biases, the key biases), by path."""
+    rest, keys = {}, {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = jax.tree_util.keystr(path)
-        (found if name.endswith("['key']['bias']") else kept)[name] = leaf
-    return kept if drop else found
-
-
-def _leaf(params, name):
-    return dict((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(params))[name]
+        (keys if name.endswith("['key']['bias']") else rest)[name] = leaf
+    return rest, keys
 
 
 @pytest.mark.parametrize("manual", [True, False])
