@@ -4,7 +4,7 @@ After ``pip install``, the first thing to know is whether the parts that need mo
 here: XLA's sharded programs on this machine's devices, a Ray cluster of mesh workers, and the
 JupyterLab extension. Each check runs the real thing:
 
-1. **shard**: Alpa's check model (six dense layers, SGD) trained one step with
+1. **shard**: Alpa's check model (six dense layers, SGD with momentum) trained one step with
    ``ShardParallel(num_micro_batches=2)`` on this process's devices, against the plain JAX step;
 2. **ray**: the same step as a two-layer pipeline (``PipeshardParallel``) on the mesh workers of
    ``init("ray")`` (a local Ray on 127.0.0.1 with simulated CPU devices, or the cluster ``RAY_ADDRESS``
@@ -12,7 +12,7 @@ JupyterLab extension. Each check runs the real thing:
    already had is used and left as it was;
 3. **jupyterlab**: JupyterLab's ``labextension list`` shows the ``alpa-lab`` extension enabled and OK.
 
-The new train states (parameters, optimizer state, step) must agree with the plain step's to 1e-4, relative
+The new train states (parameters, optimizer state, step) and losses must agree with the plain step's to 1e-4, relative
 and absolute, as in Alpa's check. Each check prints one line, ``ok``, ``skip`` or ``FAIL`` with the error;
 the exit status is 1 when one fails. ``--skip ray,jupyterlab`` leaves checks out. ``python -m unittest
 alpa_lab.test_install`` runs all three as unit tests, under Alpa's test names.
@@ -26,50 +26,22 @@ import subprocess
 import sys
 import time
 import unittest
-from typing import Any
 
 import alpa_lab as al  # first: it gives this process its simulated CPU devices  # isort: skip
 import jax  # isort: skip
-import jax.numpy as jnp  # isort: skip
-import optax  # isort: skip
-from flax import linen as nn  # isort: skip
-from flax.training.train_state import TrainState  # isort: skip
 
-from alpa_lab.testing import assert_allclose  # isort: skip
+from alpa_lab.testing import assert_allclose, get_mlp_train_state_and_step  # isort: skip
 
-__all__ = ["CHECKS", "InstallationTest", "create_train_state_and_batch", "labextension_status", "main"]
+__all__ = ["CHECKS", "InstallationTest", "labextension_status", "main"]
 
 EXTENSION = "alpa-lab"
 """The JupyterLab extension's package name (labextension/package.json)."""
 
 
-def create_train_state_and_batch(batch_size: int, hidden_size: int) -> tuple[TrainState, dict[str, jax.Array]]:
-    """Alpa's check model: six dense layers of ``hidden_size`` with biases, SGD, a regression batch."""
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            for _ in range(6):
-                x = nn.Dense(hidden_size, use_bias=True)(x)
-            return x
-
-    key = jax.random.PRNGKey(0)
-    batch = {"x": jax.random.normal(key, (batch_size, hidden_size), jnp.float32),
-             "y": jax.random.normal(jax.random.PRNGKey(1), (batch_size, hidden_size), jnp.float32)}
-    model = Model()
-    params = model.init(key, batch["x"])
-    return TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(learning_rate=1e-3)), batch
-
-
-def train_step(state: TrainState, batch: dict[str, jax.Array]) -> TrainState:
-    """One SGD step on the mean squared error; ``al.grad`` marks the gradient (a plain ``jax.grad`` outside a plan)."""
-
-    def loss_func(params: Any) -> jax.Array:
-        out = state.apply_fn(params, batch["x"])
-        return jnp.mean((out - batch["y"]) ** 2)
-
-    grads = al.grad(loss_func)(state.params)
-    return state.apply_gradients(grads=grads)
+def _check_model() -> tuple:
+    """(state, batch, train_step) of Alpa's check model: six dense layers of 256 with biases, a regression batch of
+    256 (``alpa_lab.testing``'s MLP, SGD with momentum; its step returns the new state and the loss)."""
+    return get_mlp_train_state_and_step(batch_size=256, hidden_size=256, num_layers=6)
 
 
 def labextension_status(name: str = EXTENSION) -> tuple[bool, str]:
@@ -98,7 +70,7 @@ class InstallationTest(unittest.TestCase):
     """The checks, as Alpa names them (``test_1_shard_parallel``, ``test_2_pipeline_parallel``), and ours."""
 
     def test_1_shard_parallel(self) -> None:
-        state, batch = create_train_state_and_batch(256, 256)
+        state, batch, train_step = _check_model()
         expected = train_step(state, batch)
         actual = al.parallelize(train_step, method=al.ShardParallel(num_micro_batches=2))(state, batch)
         assert_allclose(expected, actual)
@@ -111,7 +83,7 @@ class InstallationTest(unittest.TestCase):
                       "fresh Python (python -m alpa_lab.test_install)")
         try:
             layers = min(cluster.num_devices, 2)
-            state, batch = create_train_state_and_batch(256, 256)
+            state, batch, train_step = _check_model()
             expected = train_step(state, batch)
             method = al.PipeshardParallel(num_micro_batches=2, layer_option=al.AutoLayerOption(layer_num=layers))
             actual = al.parallelize(train_step, method=method)(state, batch)

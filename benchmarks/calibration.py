@@ -42,6 +42,7 @@ import jax  # isort: skip
 
 from alpa_lab.models import gpt_config, make_gpt, tiny_example
 from alpa_lab.runtime.monitor import pipeline_parts
+from alpa_lab.util import benchmark_func
 
 
 def example(name: str):
@@ -137,14 +138,8 @@ def conv_kernels(cluster: al.ClusterSpec, devices: list, repeats: int = 15, chai
             "filter grad": (per_device(chained(lambda g, x, w: jax.vjp(lambda w: conv(x, w, stride), w)[1](g)[0])), (gy, x, w)),
         }
         cells = []
-        for kind, (fn, fargs) in kinds.items():
-            jax.block_until_ready(fn(*fargs))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*fargs))
-                times.append((time.perf_counter() - t0) / chain)
-            t = statistics.median(times)
+        for kind, (fn, fargs) in kinds.items():  # one call warms up (compiles), then each call timed alone
+            t = float(np.median(benchmark_func(lambda: jax.block_until_ready(fn(*fargs)), repeat=repeats, number=1))) / chain
             cells.append(f"{kind} {t * 1e3:.3f} ({flops / t / 1e9:.1f})")
         roofline = flops / cluster.device_flops + cluster.op_overhead
         print(f"  {batch}x{size}x{size}x{cin} -> {cout}, stride {stride}: {flops / 1e6:.2f} MFLOP, roofline {roofline * 1e3:.3f} ms;  "
